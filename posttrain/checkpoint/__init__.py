@@ -1,0 +1,23 @@
+"""Hugging Face checkpoint interop (safetensors only) and model sources."""
+
+from posttrain.checkpoint.hf import (
+    CheckpointError,
+    load_hf_model,
+    load_state_into,
+    read_hf_config,
+    read_safetensors,
+    resolve_model_source,
+    save_hf_model,
+    weight_files,
+)
+
+__all__ = [
+    "CheckpointError",
+    "load_hf_model",
+    "load_state_into",
+    "read_hf_config",
+    "read_safetensors",
+    "resolve_model_source",
+    "save_hf_model",
+    "weight_files",
+]

@@ -1,0 +1,188 @@
+"""Hugging Face folder interop: safetensors in, safetensors out, never pickle or remote code.
+
+A model source is a local HF folder or a hub id; a hub id goes through `snapshot_download`,
+which honours `HF_HUB_OFFLINE` and the local cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from posttrain.models import Transformer
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+# What a model folder needs; weights other than safetensors (pickles) are never fetched.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class CheckpointError(ValueError):
+    """A model folder or weight file that cannot be loaded as asked; the message names the file."""
+
+
+def resolve_model_source(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder as is, or a hub id downloaded (safetensors and configs only) into the HF cache."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path}: a model source must be a folder (config.json + *.safetensors), not a file")
+    source = str(source)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise CheckpointError(f"model folder {source!r} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=source, revision=revision, allow_patterns=HUB_PATTERNS))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(e).__name__}: {e}"
+        raise CheckpointError(
+            f"cannot get model {source!r} from the Hugging Face hub ({why}). Download it where there is "
+            f"network (`huggingface-cli download {source} --local-dir DIR`) and set the model to that folder path"
+        ) from None
+
+
+def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; a model folder needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the index's shards, or the single file."""
+    index = folder / SAFE_INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / SAFE_SINGLE
+    if single.exists():
+        return [single]
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    hint = f" (found {pickles}: pickle checkpoints are refused; convert them to safetensors)" if pickles else ""
+    raise CheckpointError(f"{folder}: no {SAFE_SINGLE} or {SAFE_INDEX}{hint}")
+
+
+def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+    return tensors
+
+
+def load_state_into(model: Transformer, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy checkpoint tensors into the model, refusing any missing, unexpected or misshapen tensor."""
+    expected = dict(model.state_dict())
+    if model.args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config expects {tuple(expected[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            expected[name].copy_(tensor)
+
+
+def load_hf_model(
+    source: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
+) -> Transformer:
+    """Build the model from a folder's config.json on the meta device, then fill it from safetensors."""
+    folder = resolve_model_source(source, revision)
+    config = read_hf_config(folder)
+    tensors = read_safetensors(weight_files(folder))
+    with torch.device("meta"):
+        try:
+            model = Transformer(config)
+        except ValueError as e:
+            raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(buffers_only=True)
+    load_state_into(model, tensors, str(folder))
+    return model.to(dtype)
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def save_hf_model(
+    state: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    generation_config: dict[str, Any] | None = None,
+) -> None:
+    """Write `config.json`, `generation_config.json` and safetensors (sharded with an index above `max_shard_bytes`).
+
+    `state` is a full (unsharded) state dict in HF names; tied output weights are not duplicated.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if hf_config.get("tie_word_embeddings"):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(state.items())}
+    shards = _shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SAFE_SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    config["dtype"] = config["torch_dtype"]
+    config.setdefault("architectures", [_ARCHITECTURES[config["model_type"]]])
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
+    gen.update(generation_config or {})
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

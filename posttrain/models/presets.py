@@ -1,0 +1,63 @@
+"""Named model shapes for tests and the embedded default pipeline, expressed as HF configs.
+
+The vocabulary size is left to the tokenizer trained for the preset (`with_vocab`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~3.3M parameters at vocab 512: the default policy.
+    "tiny": {
+        **_QWEN3,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "vocab_size": 512,
+    },
+    # ~0.5M parameters: under a quarter of `tiny`, the default distillation student.
+    "tiny-student": {
+        **_QWEN3,
+        "hidden_size": 96,
+        "intermediate_size": 288,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "max_position_embeddings": 1024,
+        "vocab_size": 512,
+    },
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str, vocab_size: int | None = None, **token_ids: int | list[int] | None) -> dict[str, Any]:
+    """A copy of a preset's HF config, with the tokenizer's vocabulary size and special token ids."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    cfg = copy.deepcopy(PRESETS[name])
+    if vocab_size is not None:
+        cfg["vocab_size"] = int(vocab_size)
+    cfg.update({k: v for k, v in token_ids.items() if v is not None})
+    return cfg
