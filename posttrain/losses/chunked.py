@@ -1,0 +1,70 @@
+"""Row-chunked evaluation of per-token functions of the output projection.
+
+Every vocabulary-sized quantity in posttrain (cross-entropy, token log-probs, entropy, KD
+divergences) is a per-row function of ``project(hidden_row)``. This module keeps only the rows
+that count, splits them into chunks, and evaluates each chunk, optionally under activation
+checkpointing, so that at most one chunk's ``[rows, vocab]`` logits exist at a time in the
+forward *and* the backward pass. The per-row results (a few floats per token) are concatenated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+"""Label value of positions that contribute nothing (prompt tokens, padding, document ends)."""
+
+Project = Callable[[Tensor], Tensor]
+"""Maps hidden rows ``[N, D]`` to logits ``[N, V]``; pass the model's ``lm_head`` module itself
+(calling the module, not reading its weight, keeps FSDP2's hooks working)."""
+
+
+def kept_indices(mask: Tensor) -> Tensor:
+    """Flat indices of the True positions of ``mask`` (any shape)."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
+def gather_rows(x: Tensor, index: Tensor, lead_shape: torch.Size) -> Tensor:
+    """Rows of ``x`` (leading dims ``lead_shape``, then features or nothing) at flat ``index``."""
+    if x.shape[: len(lead_shape)] != lead_shape:
+        raise ValueError(f"expected leading shape {tuple(lead_shape)}, got {tuple(x.shape)}")
+    return x.reshape(lead_shape.numel(), *x.shape[len(lead_shape) :]).index_select(0, index)
+
+
+def scatter_rows(values: Tensor, index: Tensor, shape: torch.Size) -> Tensor:
+    """Inverse of :func:`gather_rows` for per-row scalars: zeros of ``shape`` with ``values`` at ``index``."""
+    out = values.new_zeros(shape.numel())
+    return out.index_put((index,), values).view(shape)
+
+
+def map_row_chunks(
+    fn: Callable[..., Tensor | tuple[Tensor, ...]],
+    rows: Sequence[Tensor],
+    num_chunks: int,
+    checkpoint_chunks: bool = True,
+) -> tuple[Tensor, ...]:
+    """Apply ``fn`` to ``num_chunks`` consecutive slices of ``rows`` and concatenate the results.
+
+    ``rows`` are tensors sharing their first dimension N (hidden rows, targets, teacher rows...);
+    ``fn(*row_slices)`` returns one tensor or a tuple of tensors whose first dimension is the
+    slice length. Under ``checkpoint_chunks`` each call is recomputed in backward instead of
+    keeping its intermediates (the logits), so only one chunk's logits are ever alive.
+    With N == 0, ``fn`` still runs once on the empty rows so the loss stays connected to the
+    projection's parameters (every rank of a sharded model must take part in backward).
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    n = rows[0].shape[0]
+    if any(r.shape[0] != n for r in rows):
+        raise ValueError(f"row tensors disagree on length: {[tuple(r.shape) for r in rows]}")
+    slices = [s for s in zip(*(r.tensor_split(num_chunks) for r in rows)) if s[0].shape[0] > 0]
+    use_checkpoint = checkpoint_chunks and torch.is_grad_enabled()
+    outputs: list[tuple[Tensor, ...]] = []
+    for chunk in slices or [tuple(rows)]:
+        out = checkpoint(fn, *chunk, use_reentrant=False) if use_checkpoint else fn(*chunk)
+        outputs.append(out if isinstance(out, tuple) else (out,))
+    return tuple(torch.cat(parts) for parts in zip(*outputs))

@@ -1,0 +1,123 @@
+"""Preference losses on per-sequence log-probs: sigmoid DPO (with label smoothing), IPO, SimPO.
+
+Inputs are the summed log-probs of each completion's kept tokens and their token counts, as
+returned by ``posttrain.losses.logprobs.sequence_logprobs``; all tensors are ``[num_pairs]``.
+Each function returns ``(loss, metrics)``: the loss is the mean over pairs, the metrics are
+detached batch means of the implicit rewards, the reward accuracy (chosen reward > rejected)
+and the reward margin, plus the policy's average log-probs of chosen and rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import Tensor
+
+PreferenceLossType = Literal["sigmoid", "ipo", "simpo"]
+
+
+def _metrics(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, policy_chosen: Tensor, policy_rejected: Tensor
+) -> dict[str, Tensor]:
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": policy_chosen.detach().mean(),
+        "logps/rejected": policy_rejected.detach().mean(),
+    }
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Sigmoid DPO (Rafailov et al. 2023) on summed log-probs.
+
+    With ``label_smoothing`` = eps > 0 this is conservative DPO: each preference label is taken
+    to be flipped with probability eps, so the loss is
+    ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``, with
+    ``h = (pi_c - ref_c) - (pi_r - ref_r)``. Rewards are ``beta * (pi - ref)``.
+    """
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_rewards = beta * (policy_chosen - ref_chosen)
+    rejected_rewards = beta * (policy_rejected - ref_rejected)
+    logits = chosen_rewards - rejected_rewards
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return losses.mean(), _metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected)
+
+
+def ipo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    chosen_lengths: Tensor,
+    rejected_lengths: Tensor,
+    beta: float = 0.1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """IPO (Azar et al. 2023): ``(h - 1/(2 beta))^2`` with beta the paper's tau.
+
+    ``h`` is the log-ratio difference of *length-averaged* log-probs (TRL's convention): the
+    regression target 1/(2 beta) is then on a per-token scale, independent of completion length.
+    Rewards are ``beta * (avg pi - avg ref)``.
+    """
+    chosen_ratio = (policy_chosen - ref_chosen) / chosen_lengths.clamp(min=1)
+    rejected_ratio = (policy_rejected - ref_rejected) / rejected_lengths.clamp(min=1)
+    losses = (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2
+    return losses.mean(), _metrics(beta * chosen_ratio, beta * rejected_ratio, policy_chosen, policy_rejected)
+
+
+def simpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    chosen_lengths: Tensor,
+    rejected_lengths: Tensor,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SimPO (Meng et al. 2024), reference-free.
+
+    The implicit reward is ``beta * average log-prob``; the loss is
+    ``-log sigma(r_chosen - r_rejected - gamma)`` with ``gamma`` the target reward margin in reward
+    units (as in the paper and TRL's ``simpo_gamma``). The paper uses beta around 2 to 10.
+    """
+    chosen_rewards = beta * policy_chosen / chosen_lengths.clamp(min=1)
+    rejected_rewards = beta * policy_rejected / rejected_lengths.clamp(min=1)
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)
+    return losses.mean(), _metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected)
+
+
+def preference_loss(
+    loss_type: PreferenceLossType,
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    chosen_lengths: Tensor,
+    rejected_lengths: Tensor,
+    ref_chosen: Tensor | None = None,
+    ref_rejected: Tensor | None = None,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dispatch on the ``dpo.loss`` config value; reference log-probs are needed except for SimPO."""
+    if loss_type == "simpo":
+        return simpo_loss(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, simpo_gamma)
+    if loss_type not in ("sigmoid", "ipo"):
+        raise ValueError(f"dpo.loss must be one of sigmoid, ipo, simpo; got {loss_type!r}")
+    if ref_chosen is None or ref_rejected is None:
+        raise ValueError(f"dpo.loss={loss_type} needs reference log-probs")
+    if loss_type == "sigmoid":
+        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing)
+    return ipo_loss(
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, beta
+    )
