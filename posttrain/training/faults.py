@@ -1,0 +1,84 @@
+"""Training faults turned into decisions and one-line explanations.
+
+- A NaN/inf loss stops the stage naming the step and the last good checkpoint, or skips the
+  batch (no optimizer step) up to a configured number of times.
+- CUDA out-of-memory is re-raised with the config keys that reduce memory.
+- `POSTTRAIN_TEST_SIGKILL_AT_STEP=N` makes the process SIGKILL itself after step N: the resume
+  tests use it to die at an exact step, as a preempted or OOM-killed job would.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or inf more often than allowed."""
+
+
+class NonFiniteLossGuard:
+    """Decides what a non-finite loss does: skip the batch (while `max_skips` allows) or stop.
+
+    `skip_possible=False` (optimizer-in-backward: parameters are already updated when the loss
+    is known) makes any non-finite loss stop the stage.
+    """
+
+    def __init__(self, max_skips: int, config_key: str, skip_possible: bool = True):
+        self.max_skips = int(max_skips)
+        self.config_key = config_key
+        self.skip_possible = skip_possible
+        self.skipped = 0
+
+    def should_skip(self, step: int, loss: float, last_checkpoint: Path | None) -> bool:
+        """False for a finite loss; True to skip this batch; raises NonFiniteLossError to stop."""
+        if math.isfinite(loss):
+            return False
+        if self.skip_possible and self.skipped < self.max_skips:
+            self.skipped += 1
+            print(
+                f"step {step}: loss is {loss}; skipping this batch ({self.skipped} of {self.max_skips} "
+                f"allowed by {self.config_key})",
+                flush=True,
+            )
+            return True
+        where = f"last good checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
+        why = (
+            "optimizer_in_backward updates parameters during backward, so batches cannot be skipped"
+            if not self.skip_possible
+            else f"{self.skipped} batches already skipped, {self.config_key}={self.max_skips}"
+        )
+        raise NonFiniteLossError(
+            f"step {step}: loss is {loss} ({why}); {where}. Lower the learning rate, check the data, "
+            f"or raise {self.config_key} to skip such batches"
+        )
+
+
+@contextmanager
+def explain_out_of_memory(stage: str) -> Iterator[None]:
+    """Re-raise CUDA OOM with the settings that reduce memory, in the order they usually help."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise torch.OutOfMemoryError(
+            f"{stage}: out of device memory ({str(e).splitlines()[0]}). Settings that reduce memory: "
+            f"{stage}.batch_size (raise {stage}.grad_accum to keep the global batch), data.max_seq_len, "
+            "memory.activation_checkpointing: 1, memory.chunked_ce: true, memory.optimizer_in_backward: true, "
+            f"memory.low_bit_optimizer: adamw8bit, {stage}.method: lora or qlora, or more GPUs (FSDP2 shards "
+            "parameters and optimizer state across them)"
+        ) from None
+
+
+def kill_if_requested(step: int) -> None:
+    """SIGKILL this process after `step` when POSTTRAIN_TEST_SIGKILL_AT_STEP equals it (tests only)."""
+    at = os.environ.get(KILL_AT_STEP_ENV)
+    if at is not None and int(at) == step:
+        os.kill(os.getpid(), signal.SIGKILL)

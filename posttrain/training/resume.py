@@ -1,0 +1,262 @@
+"""Resumable training state, written with `torch.distributed.checkpoint` next to the stage output.
+
+Layout of `<out>.resume/` (outside the declared output, so Snakemake never deletes it on failure):
+
+    metrics.jsonl            live metrics, copied into the final output
+    step-00000100/           the last complete checkpoint: DCP shards of the trainable parameters
+                             and optimizer state, plus `rank-<r>.json` per rank (step, data
+                             position, scheduler, python/torch RNG)
+
+A checkpoint is written into `step-N.tmp/` and renamed to `step-N/` once every rank is done, so
+a kill during saving leaves the previous checkpoint usable; only then are older ones removed.
+Frozen parameters (LoRA / QLoRA bases) are rebuilt by setup, not saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading a state without the frozen parameters: they are reported missing, and checked below.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+class ResumeError(RuntimeError):
+    """Resume state that does not fit this run; the message names the directory."""
+
+
+def resume_dir(out: str | os.PathLike) -> Path:
+    """`<out>.resume`: the sibling directory holding a stage's resume state."""
+    out = Path(out)
+    return out.with_name(out.name + ".resume")
+
+
+@dataclass
+class ResumePoint:
+    """What a loaded checkpoint hands back to the training loop."""
+
+    step: int
+    data_state: dict[str, Any]
+    path: Path
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _jsonable(x: Any) -> Any:
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Checkpointer:
+    """Periodic resumable checkpoints of one stage run; every rank calls every method.
+
+    `key` is the stage key of the run: state left by a different configuration is refused
+    rather than silently mixed in.
+    """
+
+    def __init__(self, out: str | os.PathLike, every: int, key: str | None = None):
+        self.root = resume_dir(out)
+        self.every = int(every)
+        self.key = key
+        self.rank, self.world_size = _rank_world()
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        _barrier()
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to checkpoint after `step` (never after the last: the final output follows)."""
+        return self.every > 0 and step % self.every == 0 and step < last_step
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint directory, if any."""
+        if not self.root.is_dir():
+            return None
+        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        data_state: dict[str, Any],
+    ) -> Path:
+        """Write the state after `step` atomically and drop older checkpoints; returns the directory."""
+        final = self.root / f"step-{step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        model_state, optim_state = get_state_dict(model, optimizers, options=_OPTIONS)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)
+        record = {
+            "step": step,
+            "key": self.key,
+            "world_size": self.world_size,
+            "data": data_state,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": _rng_state(),
+        }
+        _write_json(tmp / f"rank-{self.rank}.json", record)
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            for old in self.root.iterdir():
+                if old != final and old.name.startswith("step-"):
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    ) -> ResumePoint | None:
+        """Restore the newest checkpoint into model, optimizers, scheduler and RNGs; None when there is none."""
+        path = self.latest()
+        if path is None:
+            return None
+        record_path = path / f"rank-{self.rank}.json"
+        if not record_path.exists():
+            raise ResumeError(
+                f"{path}: resume state has no {record_path.name}; it was written by a run with a different number "
+                f"of processes than this one ({self.world_size}). Rerun with the same count or delete {self.root}"
+            )
+        record = json.loads(record_path.read_text())
+        if record["world_size"] != self.world_size:
+            raise ResumeError(
+                f"{path}: resume state was written by {record['world_size']} processes, this run has "
+                f"{self.world_size}. Rerun with the same count or delete {self.root}"
+            )
+        if record.get("key") != self.key:
+            raise ResumeError(
+                f"{path}: resume state belongs to stage key {record.get('key')!r}, not this run's {self.key!r}; "
+                f"delete {self.root}"
+            )
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        model_state, optim_state = get_state_dict(model, optimizers, options=_OPTIONS)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
+        result = set_state_dict(
+            model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
+        )
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        wrong = sorted(set(result.missing_keys) - frozen) + sorted(result.unexpected_keys)
+        if wrong:
+            raise ResumeError(f"{path}: checkpoint does not match the model (first mismatched tensor {wrong[0]!r})")
+        if scheduler is not None:
+            scheduler.load_state_dict(record["scheduler"])
+        _set_rng_state(record["rng"])
+        return ResumePoint(step=int(record["step"]), data_state=record["data"], path=path)
+
+    def remove(self) -> None:
+        """Delete the resume state once the final output is complete."""
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class StopOnSignal:
+    """Turns SIGTERM (Slurm preemption, time limits) into a request honoured at the next step boundary.
+
+    `requested()` is collective under torch.distributed: a signal seen by any rank stops all of
+    them at the same step, so they all take part in the final checkpoint.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signum: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def requested(self) -> bool:
+        flag = 0 if self.signum is None else int(self.signum)
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([flag], dtype=torch.int64)
+            if dist.get_backend() == "nccl":
+                t = t.cuda()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        if flag and self.signum is None:
+            self.signum = flag
+        return flag != 0
+
+    def exit(self, step: int, checkpoint: Path) -> None:
+        """Leave with a non-zero status (128 + signal) after the checkpoint at `step` is on disk."""
+        signum = self.signum or signal.SIGTERM
+        print(
+            f"received {signal.Signals(signum).name}: saved resume state at step {step} in {checkpoint}; "
+            "rerun the same command to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
