@@ -1,0 +1,1 @@
+"""Data prep: sources, chat formatting and loss masks, packing, split files, loaders, built-in tasks."""

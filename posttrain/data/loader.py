@@ -1,0 +1,168 @@
+"""Deterministic, resumable, data-parallel batch iteration over the splits prepare_data writes.
+
+`batch_size` is the global batch: each epoch is a permutation seeded by (seed, epoch), cut into
+global batches, and rank r of `world_size` takes the r-th contiguous slice of each. The state is
+(epoch, index of the next global batch), so a run restored with `load_state_dict` yields exactly
+the batches it would have yielded, on every rank.
+
+Batch keys:
+- `sft_batches` (splits `sft`, `sft_eval`): `input_ids`, `labels`, `document_ids`, `position_ids`
+  ([b, max_seq_len] int64; position ids restart at each document), `index` ([b] row indices).
+- `preference_batches`: `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
+  `rejected_labels` ([b, L] int64, right-padded to the longest of both sides in the batch, labels
+  -100 on the prompt and padding), `index`.
+- `prompt_batches` (splits `prompts`, `eval`): `prompt_ids` (list of int lists, ragged), `answers`,
+  `tasks` (lists of str), `examples` (list of dicts for the verifiers), `index`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+
+from posttrain.data.chat import IGNORE_INDEX
+from posttrain.data.store import load_split
+from posttrain.models import document_positions
+from posttrain.tokenizer import Tokenizer
+
+Batch = dict[str, Any]
+
+
+class Batches:
+    """Batches of one split for one data-parallel rank; iterate with `next()`.
+
+    `loop=True` (training) runs epoch after epoch and drops each epoch's incomplete last batch, so
+    every batch has the same size; `loop=False` (evaluation) makes one pass including it (a rank
+    may then get fewer rows, possibly none).
+    """
+
+    def __init__(
+        self,
+        dataset: datasets.Dataset,
+        batch_size: int,
+        collate: Callable[[dict[str, Any], np.ndarray], Batch],
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        loop: bool = True,
+    ):
+        if batch_size % world_size:
+            raise ValueError(f"global batch size {batch_size} is not divisible by the data-parallel size {world_size}")
+        if loop and len(dataset) < batch_size:
+            raise ValueError(f"split has {len(dataset)} rows, fewer than one global batch of {batch_size}")
+        self.dataset = dataset.with_format("numpy")
+        self.batch_size, self.collate = batch_size, collate
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle, self.loop = shuffle, loop
+        self.epoch, self.index = 0, 0
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.loop else -(-n // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.index >= len(self):
+            if not self.loop:
+                raise StopIteration
+            self.epoch, self.index = self.epoch + 1, 0
+        start = self.index * self.batch_size
+        rows = self._order(self.epoch)[start : start + self.batch_size]
+        mine = np.array_split(rows, self.world_size)[self.rank]
+        self.index += 1
+        return self.collate(self.dataset[mine], mine)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def _long(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+
+def _sft_collate(seq_len: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
+    def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
+        batch = {k: _long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids")}
+        batch["position_ids"] = document_positions(batch["document_ids"])
+        batch["index"] = _long(index)
+        return batch
+
+    return collate
+
+
+def _pad(seqs: list[np.ndarray], length: int, value: int) -> torch.Tensor:
+    out = np.full((len(seqs), length), value, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        out[i, : len(seq)] = seq
+    return torch.from_numpy(out)
+
+
+def _preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
+    def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
+        sides = ("chosen", "rejected")
+        length = max((len(s) for side in sides for s in cols[f"{side}_input_ids"]), default=0)
+        batch = {"index": _long(index)}
+        for side in sides:
+            batch[f"{side}_input_ids"] = _pad(list(cols[f"{side}_input_ids"]), length, pad_id)
+            batch[f"{side}_labels"] = _pad(list(cols[f"{side}_labels"]), length, IGNORE_INDEX)
+        return batch
+
+    return collate
+
+
+def _collate_prompts(cols: dict[str, Any], index: np.ndarray) -> Batch:
+    return {
+        "prompt_ids": [ids.tolist() for ids in cols["prompt_ids"]],
+        "answers": [str(a) for a in cols["answer"]],
+        "tasks": [str(t) for t in cols["task"]],
+        "examples": [json.loads(e) for e in cols["example"]],
+        "index": _long(index),
+    }
+
+
+def sft_batches(
+    data_dir: str | Path, batch_size: int, *, seed: int, split: str = "sft", rank: int = 0, world_size: int = 1,
+    shuffle: bool = True, loop: bool = True,
+) -> Batches:
+    """Packed (or padded) SFT rows: `input_ids`, `labels`, `document_ids`, `position_ids`, `index`."""
+    dataset = load_split(data_dir, split)
+    seq_len = dataset.features["input_ids"].length
+    return Batches(dataset, batch_size, _sft_collate(seq_len), seed=seed, rank=rank,
+                   world_size=world_size, shuffle=shuffle, loop=loop)
+
+
+def preference_batches(
+    data_dir: str | Path, batch_size: int, *, seed: int, split: str = "preference", rank: int = 0, world_size: int = 1,
+    shuffle: bool = True, loop: bool = True,
+) -> Batches:
+    """Preference pairs: `{chosen,rejected}_{input_ids,labels}` padded to one length, `index`."""
+    pad_id = Tokenizer(Path(data_dir) / "tokenizer").pad_id
+    return Batches(load_split(data_dir, split), batch_size, _preference_collate(pad_id), seed=seed, rank=rank,
+                   world_size=world_size, shuffle=shuffle, loop=loop)
+
+
+def prompt_batches(
+    data_dir: str | Path, batch_size: int, *, seed: int, split: str = "prompts", rank: int = 0, world_size: int = 1,
+    shuffle: bool = True, loop: bool = True,
+) -> Batches:
+    """Prompts for generation: ragged `prompt_ids`, `answers`, `tasks`, `examples`, `index`."""
+    return Batches(load_split(data_dir, split), batch_size, _collate_prompts, seed=seed, rank=rank,
+                   world_size=world_size, shuffle=shuffle, loop=loop)

@@ -1,0 +1,77 @@
+"""Pack tokenized documents into fixed-length rows with document boundaries (or pad one per row).
+
+Each row stores `input_ids`, `labels` and `document_ids` of length `max_len`. Documents in a row get
+ids 0, 1, ...; the padding tail is one more document of its own (labels -100), so per-document
+attention keeps it away from real tokens and every position attends to at least itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+
+from posttrain.data.chat import IGNORE_INDEX
+
+
+def best_fit_decreasing(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Group document indices into rows of total length <= `max_len`.
+
+    Longest documents first, each into the row with the least room that still fits it (ties: the
+    older row), else a new row. Deterministic; rows come back ordered by their first document and
+    each row lists its documents in data order.
+    """
+    if any(n > max_len or n <= 0 for n in lengths):
+        raise ValueError(f"every document must have 1..{max_len} tokens to be packed")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shortest = min(lengths, default=1)
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, row index), sorted
+    for i in order:
+        n = lengths[i]
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            free, r = room.pop(at)
+        else:
+            free, r = max_len, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if free - n >= shortest:  # rows that no document can fill further leave the search
+            bisect.insort(room, (free - n, r))
+    for row in rows:
+        row.sort()
+    rows.sort(key=lambda row: row[0])
+    return rows
+
+
+def build_rows(
+    docs_ids: Sequence[Sequence[int]],
+    docs_labels: Sequence[Sequence[int]],
+    rows: Sequence[Sequence[int]],
+    max_len: int,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """int32 arrays [len(rows), max_len] of `input_ids`, `labels`, `document_ids` for the given grouping."""
+    input_ids = np.full((len(rows), max_len), pad_id, dtype=np.int32)
+    labels = np.full((len(rows), max_len), IGNORE_INDEX, dtype=np.int32)
+    document_ids = np.empty((len(rows), max_len), dtype=np.int32)
+    for r, row in enumerate(rows):
+        pos = 0
+        for d, doc in enumerate(row):
+            n = len(docs_ids[doc])
+            input_ids[r, pos : pos + n] = docs_ids[doc]
+            labels[r, pos : pos + n] = docs_labels[doc]
+            document_ids[r, pos : pos + n] = d
+            pos += n
+        document_ids[r, pos:] = len(row)
+    return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
+
+
+def pack_or_pad(
+    docs_ids: Sequence[Sequence[int]], docs_labels: Sequence[Sequence[int]], max_len: int, pad_id: int, packing: bool
+) -> dict[str, np.ndarray]:
+    """Packed rows (best-fit decreasing) or one padded document per row (for comparison)."""
+    lengths = [len(d) for d in docs_ids]
+    rows = best_fit_decreasing(lengths, max_len) if packing else [[i] for i in range(len(lengths))]
+    return build_rows(docs_ids, docs_labels, rows, max_len, pad_id)

@@ -1,0 +1,1 @@
+"""Shared utilities: atomic output directories, provenance, metrics logging."""

@@ -1,0 +1,81 @@
+"""Atomic output directories: a stage's output appears complete or not at all.
+
+Snakemake treats an existing output as done, so a stage writes into `<out>.tmp-<pid>` and renames
+it to `<out>` only after every file is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PROVENANCE_FILE = "posttrain.json"
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _run_key(directory: Path) -> str | None:
+    path = directory / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("key")
+    except json.JSONDecodeError:
+        return None
+
+
+@contextmanager
+def atomic_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `out` to write into; on success fsync it and rename it to `out`.
+
+    On error the temporary directory is removed and `out` is left as it was. An existing `out` is
+    replaced only when it is empty or holds the same run (same `key` in `posttrain.json`);
+    otherwise this raises `FileExistsError` rather than destroy another run's output.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if out.exists():
+            same_run = _run_key(out) is not None and _run_key(out) == _run_key(tmp)
+            if any(out.iterdir()) and not same_run:
+                raise FileExistsError(
+                    f"{out} exists and holds a different run (key {_run_key(out)!r}, this run "
+                    f"{_run_key(tmp)!r}); remove it or choose another --out"
+                )
+            old = out.with_name(f"{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,56 @@
+"""`posttrain.json`: what produced a stage output (config, upstream keys, versions, commit, time)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.utils.io import PROVENANCE_FILE
+
+
+def git_commit(repo: Path | None = None) -> str | None:
+    """The checkout's commit (with `-dirty` when it has local changes), or None outside git."""
+    repo = repo or Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if dirty else commit
+
+
+def write_provenance(out_dir: str | Path, cfg: dict[str, Any], stage: str, started: float, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write `out_dir/posttrain.json`; `started` is the `time.time()` at which the stage began."""
+    now = time.time()
+    record = {
+        "stage": stage,
+        "key": cfg.get("key"),
+        "upstream": cfg.get("upstream", {}),
+        "seed": cfg.get("seed"),
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "wall_time_s": round(now - started, 3),
+        "versions": {
+            "posttrain": importlib.metadata.version("posttrain"),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "git_commit": git_commit(),
+        "metrics": metrics,
+        "config": cfg,
+    }
+    path = Path(out_dir) / PROVENANCE_FILE
+    path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    return record

@@ -1,0 +1,141 @@
+"""prepare_data: raw data -> tokenized, packed, file-addressed splits for every later stage.
+
+    python stages/prepare_data.py --config RESOLVED.json --out results/data/<key>
+
+Reads `seed`, `model` (policy / tokenizer) and `data` of the resolved config. Rows come from the
+built-in tasks (`data.tasks`, `data.n_*`) and from `data.sources` (local files or hub datasets),
+per kind. The tokenizer is the model folder's, or for a preset a byte-level BPE trained on the
+training text. Output (written to a temporary sibling and renamed when complete):
+
+    sft/ sft_eval/ preference/ prompts/ eval/   Arrow shards (posttrain.data.store.load_split)
+    tokenizer/                                  HF tokenizer folder used for every split
+    stats.json                                  rows, tokens, loss tokens, packing, drop counts
+    posttrain.json                              provenance
+
+`sft_eval` holds out min(data.n_eval, 10%) of the SFT rows, chosen by the seed, for NLL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from posttrain.checkpoint import resolve_model_source
+from posttrain.config import load_resolved_config
+from posttrain.data.sources import KINDS, TASK_COLUMNS, DataError, canonical_rows, load_source
+from posttrain.data.store import write_split
+from posttrain.data.tasks import make_splits
+from posttrain.data.tokenize import preference_split, prompt_split, sft_split
+from posttrain.models import is_preset
+from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
+from posttrain.utils.io import atomic_dir
+from posttrain.utils.provenance import write_provenance
+
+SOURCE_KEYS = {"kind", "path", "split", "subset", "revision", "columns"}
+ON_BAD_ROW = ("error", "skip")
+
+
+def collect_rows(data: dict[str, Any], seed: int) -> tuple[dict[str, list[dict]], dict[str, int]]:
+    """Canonical rows per kind (built-in tasks first, then each source in order) and bad rows skipped."""
+    if data["on_bad_row"] not in ON_BAD_ROW:
+        raise ValueError(f"data.on_bad_row must be one of {ON_BAD_ROW}, got {data['on_bad_row']!r}")
+    rows: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    bad = dict.fromkeys(KINDS, 0)
+    if data["tasks"]:
+        sizes = {kind: data[f"n_{kind}"] for kind in KINDS}
+        for kind, generated in make_splits(data["tasks"], sizes, seed).items():
+            rows[kind] += canonical_rows(generated, kind, f"data.tasks ({kind})", TASK_COLUMNS[kind])[0]
+    for i, source in enumerate(data["sources"]):
+        where = f"data.sources[{i}]"
+        if not isinstance(source, dict) or "kind" not in source or "path" not in source:
+            raise DataError(f"{where}: needs at least `kind` ({'|'.join(KINDS)}) and `path`, got {source!r}")
+        unknown = sorted(set(source) - SOURCE_KEYS)
+        if unknown:
+            raise DataError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(SOURCE_KEYS)}")
+        raw = load_source(str(source["path"]), source.get("split"), source.get("subset"), source.get("revision"))
+        canonical, n_bad = canonical_rows(
+            raw, source["kind"], str(source["path"]), source.get("columns"), skip_bad=data["on_bad_row"] == "skip"
+        )
+        rows[source["kind"]] += canonical
+        bad[source["kind"]] += n_bad
+    return rows, bad
+
+
+def hold_out(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(kept, held out): `n` rows chosen by the seed, both in data order."""
+    held = set(random.Random(f"{seed}/sft_eval").sample(range(len(rows)), n))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def training_text(rows: dict[str, list[dict]]) -> Iterator[str]:
+    """Every message of the training kinds (never eval), as `role\\ncontent`, for BPE training."""
+    for row in rows["sft"]:
+        yield from (f"{m['role']}\n{m['content']}" for m in row["messages"])
+    for row in rows["preference"]:
+        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["chosen"] + row["rejected"])
+    for row in rows["prompts"]:
+        prompt = row["prompt"]
+        yield from ([f"user\n{prompt}"] if isinstance(prompt, str) else (f"{m['role']}\n{m['content']}" for m in prompt))
+
+
+def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path) -> Tokenizer:
+    """`model.tokenizer` if set, else the policy's: a BPE trained here for presets, the folder's otherwise."""
+    model, data = cfg["model"], cfg["data"]
+    source = model.get("tokenizer") or model["policy"]
+    if model.get("tokenizer") is None and is_preset(model["policy"]):
+        return train_bpe_tokenizer(training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
+    Tokenizer(resolve_model_source(source)).save(out)
+    return Tokenizer(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="resolved config (JSON)")
+    parser.add_argument("--out", required=True, help="output directory (results/data/<key>)")
+    args = parser.parse_args()
+    started = time.time()
+    cfg = load_resolved_config(args.config)
+    data, seed = cfg["data"], cfg["seed"]
+    max_len = data["max_seq_len"]
+
+    rows, bad = collect_rows(data, seed)
+    rows["sft"], sft_eval = hold_out(rows["sft"], min(data["n_eval"], len(rows["sft"]) // 10), seed)
+
+    with atomic_dir(args.out) as out:
+        tok = build_tokenizer(cfg, rows, out / "tokenizer")
+        splits: dict[str, dict[str, Any]] = {}
+        for name, split_rows in (("sft", rows["sft"]), ("sft_eval", sft_eval)):
+            columns, splits[name] = sft_split(
+                split_rows, tok, max_len, data["loss_mask"], data["truncation"], data["packing"], desc=f"tokenize {name}"
+            )
+            write_split(out, name, columns)
+        columns, splits["preference"] = preference_split(rows["preference"], tok, max_len, data["truncation"])
+        write_split(out, "preference", columns)
+        for name in ("prompts", "eval"):
+            columns, splits[name] = prompt_split(rows[name], tok, max_len, desc=f"tokenize {name}")
+            write_split(out, name, columns)
+        for name, stats in splits.items():
+            stats["bad_rows_skipped"] = bad.get(name, 0)  # held-out rows were counted with sft
+
+        stats = {
+            "max_seq_len": max_len,
+            "packing": data["packing"],
+            "loss_mask": data["loss_mask"],
+            "truncation": data["truncation"],
+            "tokenizer": {"vocab_size": tok.vocab_size, "pad_id": tok.pad_id, "eos_ids": tok.eos_ids},
+            "splits": splits,
+        }
+        (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        summary = {f"{name}_rows": s["rows"] for name, s in splits.items()}
+        summary["sft_packing_efficiency"] = splits["sft"]["packing_efficiency"]
+        write_provenance(out, cfg, "prepare_data", started, summary)
+    print(json.dumps({"out": args.out, **summary}))
+
+
+if __name__ == "__main__":
+    main()
