@@ -1,0 +1,134 @@
+"""Process-group setup and the device mesh every stage shards its model on.
+
+One code path serves `python stage.py` (one process; on CPU no process group at all) and
+`torchrun --nproc-per-node N stage.py` (gloo on CPU, NCCL on CUDA). The mesh has named
+dimensions `dp_replicate` x `dp_shard` x `tp`: FSDP2 shards over `dp_shard` (HSDP: replicates
+over `dp_replicate`), tensor parallelism splits over `tp`, and ranks of one `tp` group read the
+same data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+T = TypeVar("T")
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes outputs, logs and shows progress bars."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    """Start the process group when launched by torchrun (or on CUDA) and pick this rank's device.
+
+    Under plain `python` on CPU nothing is initialized (world size 1, no mesh). On CUDA a
+    one-process group is created even without torchrun, so FSDP2 mixed precision and the
+    sharded code path are the same for one GPU as for many. The default backend is NCCL on
+    CUDA and gloo on CPU.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    if not dist.is_initialized() and (launched or world_size > 1 or device.type == "cuda"):
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if launched:
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        else:
+            # One process without a launcher: an in-memory store needs no port.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh | None:
+    """A 3-D mesh (`dp_replicate`, `dp_shard`, `tp`); None for one process without a process group.
+
+    `dp_shard` takes whatever `tp * dp_replicate` leaves of the world size.
+    """
+    if tp < 1 or dp_replicate < 1:
+        raise ValueError(f"parallel.tp ({tp}) and parallel.dp_replicate ({dp_replicate}) must be >= 1")
+    if info.world_size % (tp * dp_replicate) != 0:
+        raise ValueError(
+            f"parallel.tp ({tp}) x parallel.dp_replicate ({dp_replicate}) = {tp * dp_replicate} "
+            f"does not divide the world size {info.world_size}"
+        )
+    if not dist.is_initialized():
+        if tp * dp_replicate > 1:
+            raise ValueError(
+                f"parallel.tp={tp}, parallel.dp_replicate={dp_replicate} need a process group: "
+                "launch with torchrun --nproc-per-node N"
+            )
+        return None
+    dp_shard = info.world_size // (tp * dp_replicate)
+    return init_device_mesh(info.device.type, (dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+
+
+def mesh_size(mesh: DeviceMesh | None, dim: str) -> int:
+    return 1 if mesh is None else mesh[dim].size()
+
+
+def data_parallel_rank(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel replicas: what the data loader shards by.
+
+    Tensor-parallel peers get the same rank, so they read the same batch.
+    """
+    if mesh is None:
+        return 0, 1
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
+    """Run `fn` on rank 0 only (writing files, downloads), then let every rank continue together."""
+    result = fn() if info.is_main else None
+    barrier()
+    return result
+
+
+def all_reduce_mean(value: float | torch.Tensor, device: torch.device | None = None) -> float:
+    """Average of a scalar over all ranks (losses and token counts for logging)."""
+    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)  # gloo has no AVG
+        tensor /= dist.get_world_size()
+    return float(tensor)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
