@@ -159,7 +159,7 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
         if (folder / "special_tokens_map.json").is_file():  # legacy layout: fills what the config lacks
             legacy = _read_json(folder / "special_tokens_map.json")
-            config = {**{k: v for k, v in legacy.items() if k in SPECIAL_TOKEN_NAMES}, **config}
+            config = {**config, **{k: v for k, v in legacy.items() if k in SPECIAL_TOKEN_NAMES and config.get(k) is None}}
         self.config = config
         self.chat_template = _read_chat_template(folder, config)
         self.special_tokens: dict[str, str] = {}

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import jinja2
 
 from posttrain.data.sources import DataError
+from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.tokenizer import Tokenizer
 
 LOSS_MASKS = ("assistant", "all", "last_turn")
-IGNORE_INDEX = -100
 
 Messages = Sequence[dict[str, str]]
 
