@@ -93,6 +93,11 @@ class OptimizerInBackward(Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
 
+    def sync_lr(self) -> None:
+        """Push the scheduler's current lr into every per-parameter optimizer (before saving them)."""
+        for opt in self.optimizers:
+            opt.param_groups[0]["lr"] = self.param_groups[0]["lr"]
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -151,7 +156,10 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
 
     Covers both the ordinary optimizer and the in-backward wrapper (its per-parameter optimizers).
     """
-    optimizers = optimizer.optimizers if isinstance(optimizer, OptimizerInBackward) else optimizer
+    optimizers = optimizer
+    if isinstance(optimizer, OptimizerInBackward):
+        optimizer.sync_lr()
+        optimizers = optimizer.optimizers
     return get_optimizer_state_dict(model, optimizers, options=StateDictOptions(ignore_frozen_params=True))
 
 
