@@ -8,6 +8,8 @@ Truncation (`right` cuts a row to `max_len` and counts it, `drop` drops and coun
 SFT and preference rows. Prompts longer than `max_len - 1` are always dropped and counted: a cut
 prompt would ask a different question, and generation needs at least one free position.
 A row left without any trained token (e.g. its answer was cut off) is dropped and counted too.
+Each source row lands in exactly one count: kept (`truncated` counts the kept rows that were cut),
+`dropped_too_long`, or `dropped_no_loss_tokens`.
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ def sft_split(
         if fitted is None:
             counts["dropped_too_long"] += 1
             continue
-        counts["truncated"] += len(row["ids"]) > max_len
         ids, labels = fitted
         if all(label == IGNORE_INDEX for label in labels):
             counts["dropped_no_loss_tokens"] += 1
             continue
+        counts["truncated"] += len(row["ids"]) > max_len
         docs_ids.append(ids)
         docs_labels.append(labels)
     columns = pack_or_pad(docs_ids, docs_labels, max_len, tok.pad_id, packing)
