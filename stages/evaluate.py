@@ -1,0 +1,197 @@
+"""evaluate: task accuracy, pass@k, reward, held-out NLL and preference accuracy of one model.
+
+    python stages/evaluate.py --config RESOLVED.json --data DATA_DIR --model MODEL_DIR --out DIR [--reference DIR]
+
+On the first `eval.n_prompts` rows of the data's `eval` split (problems never trained on):
+- greedy completions -> `accuracy` (pass@1 of greedy decoding), `reward`, `response_len`;
+- `eval.samples` completions per prompt at `eval.temperature` -> `pass@k` for k in `eval.pass_k`
+  (unbiased estimator, `posttrain.evaluation.passk`);
+- a completion is correct when the first of `reward.verifiers` gives it full credit; `reward` is
+  the sum of all of them (`posttrain.evaluation.scoring`).
+On `sft_eval`: `nll` per trained token and `ppl`. For a DPO model: `pref_acc`, the share of
+held-out pairs (eval rows' reference response vs. plausible mistake) whose implicit reward prefers
+the reference, against the DPO run's reference model (its upstream model, next to it under
+results/, or `--reference`); `null` with `pref_acc_note` for other models. Optional
+`eval.lm_eval_tasks` via lm-evaluation-harness (`lm_eval`: results or `{"skipped": reason}`).
+Weights are evaluated in float32, in one process (GPU if there is one).
+
+Output (written to a temporary sibling and renamed when complete):
+    metrics.json    the numbers above, overall and under `per_task`
+    samples.jsonl   the first prompts' greedy and sampled completions with their scores
+    lm_eval.log     the harness's output, when it ran
+    posttrain.json  provenance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from posttrain.checkpoint import load_hf_model
+from posttrain.config import load_resolved_config
+from posttrain.data.loader import prompt_batches, sft_batches
+from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
+from posttrain.evaluation.lm_eval import run_lm_eval
+from posttrain.generation import SamplingParams, generate
+from posttrain.models import Transformer
+from posttrain.rewards.verifiers import load_verifiers, score
+from posttrain.tokenizer import Tokenizer
+from posttrain.utils.io import atomic_dir
+from posttrain.utils.lineage import read_provenance, upstream_folder
+from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.plan import MODEL_STAGES
+
+GENERATION_BATCH = 64  # sequences per generate() call
+SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs
+LOGGED_PROMPTS = 16  # prompts written to samples.jsonl
+
+
+def eval_rows(data_dir: Path, n: int, seed: int) -> list[dict[str, Any]]:
+    """The first `n` rows of the `eval` split, in data order: prompt ids, task, verifier example."""
+    rows: list[dict[str, Any]] = []
+    for batch in prompt_batches(data_dir, GENERATION_BATCH, seed=seed, split="eval", shuffle=False, loop=False):
+        for ids, task, example in zip(batch["prompt_ids"], batch["tasks"], batch["examples"]):
+            rows.append({"prompt_ids": ids, "task": task, "example": example})
+        if len(rows) >= n:
+            break
+    if not rows:
+        raise ValueError(f"{data_dir}: the eval split is empty")
+    if len(rows) < n:
+        print(f"evaluate: eval.n_prompts={n} but the eval split has {len(rows)} rows; evaluating all of them")
+    return rows[:n]
+
+
+def complete(model: Transformer, tok: Tokenizer, prompts: list[list[int]], params: SamplingParams,
+             generator: torch.Generator | None, desc: str) -> tuple[list[list[int]], list[str]]:
+    """Generated ids and finish reasons for each prompt, GENERATION_BATCH sequences at a time."""
+    tokens: list[list[int]] = []
+    reasons: list[str] = []
+    for start in tqdm(range(0, len(prompts), GENERATION_BATCH), desc=desc, unit="batch", mininterval=1.0):
+        out = generate(model, prompts[start : start + GENERATION_BATCH], params, pad_id=tok.pad_id, generator=generator)
+        tokens += out.tokens
+        reasons += out.finish_reasons
+    return tokens, reasons
+
+
+def reference_folder(model_dir: Path, record: dict[str, Any], override: str | None) -> Path:
+    """The DPO run's reference: `--reference`, else its upstream model stage's folder next to it."""
+    if override:
+        return Path(override)
+    models = [(stage, key) for stage, key in record.get("upstream", {}).items() if stage in MODEL_STAGES]
+    if len(models) != 1:
+        raise ValueError(f"{model_dir}/posttrain.json: expected one upstream model stage, found {models}")
+    return upstream_folder(model_dir, *models[0])
+
+
+def preference_metrics(model: Transformer, model_dir: Path, record: dict[str, Any], rows: list[dict[str, Any]],
+                       tok: Tokenizer, max_len: int, reference_override: str | None, device: torch.device) -> dict[str, Any]:
+    """`pref_acc` (+ margin, pairs) for a DPO model; otherwise `pref_acc: None` and the reason."""
+    if record["stage"] != "dpo":
+        return {"pref_acc": None, "pref_acc_note": f"a {record['stage']} model has no implicit preference reward (dpo only)"}
+    pairs = eval_pairs([r["example"] for r in rows], tok, max_len)
+    if not pairs["chosen_input_ids"]:
+        return {"pref_acc": None, "pref_acc_note": "no eval row carries response and rejected_response to pair"}
+    dpo_cfg = record["config"]["dpo"]
+    reference = None
+    if dpo_cfg["loss"] != "simpo":
+        folder = reference_folder(model_dir, record, reference_override)
+        if not folder.is_dir():
+            return {"pref_acc": None, "pref_acc_note": f"reference model {folder} not found (pass --reference)"}
+        reference = load_hf_model(folder, device).eval()
+    metrics = implicit_preference_accuracy(model, reference, pairs, dpo_cfg, tok.pad_id, SCORING_BATCH)
+    metrics["pref_reference"] = None if reference is None else str(folder)
+    return metrics
+
+
+def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]:
+    batches = sft_batches(data_dir, SCORING_BATCH, seed=seed, split="sft_eval", shuffle=False, loop=False)
+    if len(batches.dataset) == 0:
+        return {"nll": None, "ppl": None, "nll_note": f"{data_dir}: the sft_eval split is empty"}
+    return heldout_nll(model, batches, total=len(batches))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="resolved config (JSON)")
+    parser.add_argument("--data", required=True, help="prepare_data output folder")
+    parser.add_argument("--model", required=True, help="model folder (HF layout with posttrain.json)")
+    parser.add_argument("--out", required=True, help="output directory (results/eval/<key>)")
+    parser.add_argument("--reference", help="reference model of a DPO model (default: its upstream model folder)")
+    args = parser.parse_args()
+    started = time.time()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("evaluate runs in one process; set eval.resources to at most one GPU and procs: 1")
+    cfg = load_resolved_config(args.config)
+    ev, seed = cfg["eval"], cfg["seed"]
+    if "verifiers" not in cfg.get("reward", {}):
+        raise ValueError(f"{args.config}: missing reward.verifiers (the workflow must pass it to evaluate)")
+    verifier_specs = cfg["reward"]["verifiers"]
+    verifiers = load_verifiers(verifier_specs)
+    bad_k = [k for k in ev["pass_k"] if k > ev["samples"]]
+    if bad_k:
+        raise ValueError(f"{args.config}: eval.pass_k has k={bad_k[0]} > eval.samples={ev['samples']}")
+    data_dir, model_dir = Path(args.data), Path(args.model)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+
+    record = read_provenance(model_dir)
+    tok = Tokenizer(data_dir / "tokenizer")
+    model = load_hf_model(model_dir, device).eval()
+    rows = eval_rows(data_dir, ev["n_prompts"], seed)
+    prompts = [r["prompt_ids"] for r in rows]
+    examples = [r["example"] for r in rows]
+
+    greedy_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=0.0, stop_token_ids=tok.eos_ids)
+    greedy, greedy_reasons = complete(model, tok, prompts, greedy_params, None, "greedy")
+    greedy_text = tok.decode_batch(greedy)
+    greedy_scores = score(greedy_text, examples, verifiers)
+
+    n = ev["samples"]
+    sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
+                                   stop_token_ids=tok.eos_ids)
+    generator = torch.Generator(device).manual_seed(seed)
+    sampled, _ = complete(model, tok, [p for p in prompts for _ in range(n)], sample_params, generator, f"sampled x{n}")
+    sampled_text = tok.decode_batch(sampled)
+    sampled_scores = score(sampled_text, [ex for ex in examples for _ in range(n)], verifiers)
+    sampled_correct = [is_correct(s, verifier_specs[0]) for s in sampled_scores]
+
+    results = [
+        PromptResult(task=r["task"], correct=is_correct(greedy_scores[i], verifier_specs[0]), rewards=greedy_scores[i],
+                     length=len(greedy[i]), truncated=greedy_reasons[i] == "length",
+                     sample_correct=sum(sampled_correct[i * n : (i + 1) * n]))
+        for i, r in enumerate(rows)
+    ]
+    metrics: dict[str, Any] = {"stage": record["stage"], "model_key": record["key"], "verifiers": verifier_specs,
+                               "samples": n, "temperature": ev["temperature"], "max_new_tokens": ev["max_new_tokens"]}
+    metrics.update(task_metrics(results, ev["pass_k"], n))
+    metrics.update(nll_metrics(model, data_dir, seed))
+    metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
+                                      args.reference, device))
+
+    with atomic_dir(args.out) as out:
+        metrics["lm_eval"] = run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type)
+        if "skipped" in metrics["lm_eval"]:
+            print(f"evaluate: lm-eval skipped: {metrics['lm_eval']['skipped']}")
+        with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
+            for i, r in enumerate(rows[:LOGGED_PROMPTS]):
+                f.write(json.dumps({
+                    "id": r["example"].get("id"), "task": r["task"], "answer": r["example"].get("answer"),
+                    "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
+                    "completion": greedy_text[i], "finish_reason": greedy_reasons[i], "correct": results[i].correct,
+                    "rewards": greedy_scores[i],
+                    "samples": [{"completion": sampled_text[j], "correct": sampled_correct[j]} for j in range(i * n, (i + 1) * n)],
+                }, ensure_ascii=False) + "\n")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+        summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}
+        write_provenance(out, cfg, "evaluate", started, summary)
+    print(json.dumps({"out": args.out, **summary}))
+
+
+if __name__ == "__main__":
+    main()
