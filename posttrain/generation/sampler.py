@@ -71,7 +71,7 @@ def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
