@@ -1,0 +1,1 @@
+"""Export helpers: model card, torchao int8 copy, hub push."""

@@ -1,0 +1,86 @@
+"""report: one table and two figures over every variant's stages and evaluations.
+
+    python stages/report.py --config results/report.config.json --out results/report
+
+The config is the workflow's report config: `{"stage": "report", "key", "variants": {name:
+manifest}}`, each manifest naming the variant's stage outputs (`stages: {stage: {key, path}}`),
+its evaluations (`eval: {stage: {key, path}}`) and `overrides`. Output (written to a temporary
+sibling and renamed when complete):
+
+    summary.tsv        one row per variant and evaluated stage (columns: posttrain.evaluation.summary)
+    loss_curves.png    training loss per stage (metrics.jsonl), one line per distinct stage output
+    eval_metrics.png   accuracy, pass@k, reward, NLL, preference accuracy by stage and variant
+    posttrain.json     provenance
+
+Captions for Snakemake's HTML report: workflow/report/*.rst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from posttrain.evaluation.plots import loss_curves, plot_eval_metrics, plot_loss_curves
+from posttrain.evaluation.summary import pass_columns, stage_records, summary_rows, summary_table
+from posttrain.utils.io import atomic_dir
+from posttrain.utils.provenance import write_provenance
+
+EVAL_PLOT_METRICS = ("accuracy", "reward", "nll", "pref_acc")  # pass@k columns go after accuracy
+UNTRAINED_STAGES = ("prepare_data",)  # stages without a training loss
+
+
+def read_report_config(path: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"report config {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"report config {path}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("variants"), dict) or not cfg["variants"]:
+        raise ValueError(f"report config {path}: needs a non-empty 'variants' mapping (name -> manifest)")
+    for name, manifest in cfg["variants"].items():
+        missing = [k for k in ("stages", "eval") if k not in manifest]
+        if missing:
+            raise ValueError(f"report config {path}: variant {name!r} lacks {', '.join(missing)}")
+    return cfg
+
+
+def stage_runs(variants: dict[str, Any]) -> dict[str, dict[str, tuple[list[str], list[dict]]]]:
+    """{stage: {key: (variant names, metrics.jsonl records)}}: each stage output read once."""
+    runs: dict[str, dict[str, tuple[list[str], list[dict]]]] = {}
+    for name, manifest in variants.items():
+        for stage, ref in manifest["stages"].items():
+            if stage in UNTRAINED_STAGES:
+                continue
+            by_key = runs.setdefault(stage, {})
+            if ref["key"] not in by_key:
+                by_key[ref["key"]] = ([], stage_records(ref["path"]))
+            by_key[ref["key"]][0].append(name)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="report config (results/report.config.json)")
+    parser.add_argument("--out", required=True, help="output directory (results/report)")
+    args = parser.parse_args()
+    started = time.time()
+    cfg = read_report_config(args.config)
+
+    rows = summary_rows(cfg["variants"])
+    table = summary_table(rows)
+    curves = loss_curves(stage_runs(cfg["variants"]))
+    metrics = [EVAL_PLOT_METRICS[0], *pass_columns(rows), *EVAL_PLOT_METRICS[1:]]
+    with atomic_dir(args.out) as out:
+        table.to_csv(out / "summary.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
+        plot_loss_curves(curves, out / "loss_curves.png")
+        plot_eval_metrics(rows, metrics, out / "eval_metrics.png")
+        write_provenance(out, cfg, "report", started, {"rows": len(rows), "variants": len(cfg["variants"])})
+    print(json.dumps({"out": args.out, "rows": len(rows), "variants": len(cfg["variants"])}))
+
+
+if __name__ == "__main__":
+    main()
