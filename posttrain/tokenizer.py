@@ -229,10 +229,9 @@ class Tokenizer:
         """Token ids of `text`. Special-token strings in the text map to their ids (as in `transformers`)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and each token's character span in `text` (no special tokens added)."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
+    def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Per text: ids and each token's character span in the text (no special tokens added)."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

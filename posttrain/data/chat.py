@@ -68,33 +68,50 @@ def assistant_spans(tok: Tokenizer, messages: Messages) -> tuple[str, list[tuple
     return full, spans
 
 
-def tokenize_chat(
-    tok: Tokenizer, messages: Messages, loss_mask: str = "assistant", first_trained_message: int = 0
-) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered chat and, per token, whether it is a training target.
-
-    `loss_mask`: `assistant` (every assistant message), `last_turn` (the last one), `all` (every
-    token). Only assistant messages at index >= `first_trained_message` count (preference pairs
-    train the completion, never the prompt).
-    """
-    if loss_mask not in LOSS_MASKS:
-        raise ValueError(f"loss_mask must be one of {LOSS_MASKS}, got {loss_mask!r}")
-    if loss_mask == "all":
-        ids = tok.apply_chat_template(messages, tokenize=True)
-        return ids, [True] * len(ids)
-    full, spans = assistant_spans(tok, messages)
-    spans = [(s, e) for i, s, e in spans if i >= first_trained_message]
-    if loss_mask == "last_turn":
-        spans = spans[-1:]
-    ids, offsets = tok.encode_with_offsets(full)
-    mask, k = [False] * len(ids), 0
-    for t, (tok_start, tok_end) in enumerate(offsets):  # spans and offsets are both in order
+def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """True for every token whose character span overlaps one of `spans` (both in text order)."""
+    mask, k = [False] * len(offsets), 0
+    for t, (tok_start, tok_end) in enumerate(offsets):
         while k < len(spans) and tok_start >= spans[k][1]:
             k += 1
         if k == len(spans):
             break
         mask[t] = tok_end > spans[k][0]
-    return ids, mask
+    return mask
+
+
+def tokenize_chats(
+    tok: Tokenizer, chats: Sequence[Messages], loss_mask: str = "assistant", first_trained_message: int | Sequence[int] = 0
+) -> list[tuple[list[int], list[bool]]]:
+    """Token ids of each rendered chat and, per token, whether it is a training target.
+
+    `loss_mask`: `assistant` (every assistant message), `last_turn` (the last one), `all` (every
+    token). Only assistant messages at index >= `first_trained_message` (one for all chats, or one
+    per chat) count: preference pairs train the completion, never the prompt.
+    """
+    if loss_mask not in LOSS_MASKS:
+        raise ValueError(f"loss_mask must be one of {LOSS_MASKS}, got {loss_mask!r}")
+    firsts = [first_trained_message] * len(chats) if isinstance(first_trained_message, int) else first_trained_message
+    rendered = [
+        (tok.apply_chat_template(messages), []) if loss_mask == "all" else assistant_spans(tok, messages)
+        for messages in chats
+    ]
+    encoded = tok.encode_batch_with_offsets([text for text, _ in rendered])
+    out = []
+    for (_, spans), (ids, offsets), first in zip(rendered, encoded, firsts):
+        if loss_mask == "all":
+            out.append((ids, [True] * len(ids)))
+            continue
+        kept = [(s, e) for i, s, e in spans if i >= first]
+        out.append((ids, _mask_from_offsets(offsets, kept[-1:] if loss_mask == "last_turn" else kept)))
+    return out
+
+
+def tokenize_chat(
+    tok: Tokenizer, messages: Messages, loss_mask: str = "assistant", first_trained_message: int = 0
+) -> tuple[list[int], list[bool]]:
+    """`tokenize_chats` for one chat."""
+    return tokenize_chats(tok, [messages], loss_mask, first_trained_message)[0]
 
 
 def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chat
+from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chats
 from posttrain.data.packing import pack_or_pad
 from posttrain.tokenizer import Tokenizer
 
@@ -35,10 +35,10 @@ def _num_proc(n_rows: int) -> int | None:
     return procs if procs > 1 else None
 
 
-def _map(rows: list[dict[str, Any]], fn: Callable[[dict[str, Any]], dict[str, Any]], desc: str) -> datasets.Dataset:
-    """Apply `fn` to every row with a progress bar, in several processes for large inputs; order kept."""
+def _map(rows: list[dict[str, Any]], fn: Callable[[dict[str, list]], dict[str, list]], desc: str) -> datasets.Dataset:
+    """Apply the batched `fn` to all rows with a progress bar, in several processes for large inputs; order kept."""
     ds = datasets.Dataset.from_list(rows)
-    return ds.map(fn, remove_columns=ds.column_names, num_proc=_num_proc(len(rows)), desc=desc)
+    return ds.map(fn, batched=True, batch_size=256, remove_columns=ds.column_names, num_proc=_num_proc(len(rows)), desc=desc)
 
 
 def _fit(ids: list[int], mask: list[bool], max_len: int, truncation: str) -> tuple[list[int], list[int]] | None:
@@ -62,9 +62,9 @@ def sft_split(
     """Tokenize chats, apply the loss mask and truncation, and pack (or pad) them into rows of `max_len`."""
     _check_truncation(truncation)
 
-    def encode(row: dict[str, Any]) -> dict[str, Any]:
-        ids, mask = tokenize_chat(tok, row["messages"], loss_mask)
-        return {"ids": ids, "mask": mask}
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        ids, masks = zip(*tokenize_chats(tok, batch["messages"], loss_mask))
+        return {"ids": list(ids), "mask": list(masks)}
 
     encoded = _map(list(rows), encode, desc)
     docs_ids, docs_labels = [], []
@@ -103,11 +103,13 @@ def preference_split(
     """Tokenize prompt + chosen and prompt + rejected; only completion tokens are trained."""
     _check_truncation(truncation)
 
-    def encode(row: dict[str, Any]) -> dict[str, Any]:
+    def encode(batch: dict[str, list]) -> dict[str, list]:
         out = {}
+        firsts = [len(prompt) for prompt in batch["prompt"]]
         for side in ("chosen", "rejected"):
-            ids, mask = tokenize_chat(tok, row["prompt"] + row[side], "assistant", first_trained_message=len(row["prompt"]))
-            out[f"{side}_ids"], out[f"{side}_mask"] = ids, mask
+            chats = [prompt + completion for prompt, completion in zip(batch["prompt"], batch[side])]
+            ids, masks = zip(*tokenize_chats(tok, chats, "assistant", firsts))
+            out[f"{side}_ids"], out[f"{side}_mask"] = list(ids), list(masks)
         return out
 
     encoded = _map(list(rows), encode, "tokenize preference")
@@ -141,8 +143,9 @@ def prompt_split(
 ) -> tuple[dict[str, list], dict[str, Any]]:
     """Prompt ids (rendered with the generation prompt) plus id, task, answer and the verifier's example."""
 
-    def encode(row: dict[str, Any]) -> dict[str, Any]:
-        return {"prompt_ids": tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)}
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        texts = [tok.apply_chat_template(messages, add_generation_prompt=True) for messages in batch["messages"]]
+        return {"prompt_ids": tok.encode_batch(texts)}
 
     as_chat = [{"messages": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
                for r in rows]
