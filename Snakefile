@@ -1,0 +1,25 @@
+# posttrain: data -> SFT -> DPO -> reward -> GRPO -> distill, eval of every model, export, report.
+# Run: snakemake --profile profiles/local   (docs/workflow.md: Slurm, sweeps, where results are)
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/common.smk"
+
+
+rule all:
+    input:
+        f"{RESULTS}/report",
+        [f"{RESULTS}/variants/{name}" for name in PLAN.variants],
+
+
+include: "workflow/rules/prepare_data.smk"
+include: "workflow/rules/sft.smk"
+include: "workflow/rules/dpo.smk"
+include: "workflow/rules/reward.smk"
+include: "workflow/rules/grpo.smk"
+include: "workflow/rules/distill.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/report.smk"
+include: "workflow/rules/variants.smk"

@@ -1,0 +1,109 @@
+"""How a stage script starts, from its job's resources.
+
+    gpus 0, procs 1, one node   ->  python
+    gpus 0, procs P > 1         ->  torchrun --standalone --nnodes 1 --nproc-per-node P   (gloo)
+    gpus G >= 1, one node       ->  torchrun --standalone --nnodes 1 --nproc-per-node G
+    N > 1 nodes                 ->  srun (one task per node) torchrun --nnodes N ... c10d rendezvous
+
+Every rule's shell line is `<prefix> stages/<stage>.py --config ... --out ...`. The prefix also sets
+PYTHONPATH to the checkout (so the scripts import the same `posttrain` as the workflow, also in a
+conda env without it) and OMP_NUM_THREADS to the job's CPUs divided among its processes.
+
+`job_resources` maps a stage's `resources` config onto the Snakemake resources that
+snakemake-executor-plugin-slurm 2.8 reads: one node asks `--gpus=G` and runs one task (the
+plugin's jobstep wraps it in `srun -n1`, torchrun forks a process per GPU); several nodes set the
+`mpi` resource (the jobstep then runs the shell line as is), `tasks` = nodes and a per-node
+`gres` of `gpu:G`, and the shell line's own `srun` starts one torchrun per node.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+RDZV_PORT = 29500
+_GRES_GPUS = re.compile(r"^gpu(?::[A-Za-z0-9_.]+)?:(\d+)$")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """The process layout of one job: nodes, GPUs per node, CPU processes per node, CPU threads."""
+
+    nodes: int = 1
+    gpus: int = 0
+    procs: int = 1
+    threads: int = 1
+    rdzv_port: int = RDZV_PORT
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if f.name == "gpus" else 1):
+                raise ValueError(f"launch: {f.name} must be an integer >= {0 if f.name == 'gpus' else 1}, got {value!r}")
+        if self.gpus and self.procs > 1:
+            raise ValueError(f"launch: procs={self.procs} with gpus={self.gpus}; procs is for CPU runs (one process per GPU)")
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.gpus or self.procs
+
+
+def spec_from_resources(resources: Mapping[str, Any], threads: int) -> LaunchSpec:
+    """The layout a Snakemake job's resources describe (see `job_resources`)."""
+    gpus = resources.get("gpu") or 0
+    gres = resources.get("gres")
+    if gres:
+        match = _GRES_GPUS.match(str(gres))
+        if not match:
+            raise ValueError(f"launch: cannot read a GPU count from gres={gres!r} (expected gpu:N or gpu:model:N)")
+        gpus = int(match.group(1))
+    return LaunchSpec(
+        nodes=resources.get("nodes") or 1, gpus=gpus, procs=resources.get("procs") or 1, threads=threads
+    )
+
+
+def job_resources(res: Mapping[str, Any]) -> dict[str, Any]:
+    """A stage's `resources` config -> Snakemake resources (None leaves a resource unset)."""
+    nodes, gpus = res["nodes"], res["gpus"]
+    multi = nodes > 1
+    return {
+        "mem_mb": res["mem_mb"],
+        "runtime": res["runtime"],
+        "nodes": nodes,
+        "procs": res["procs"],
+        "gpu": gpus if gpus and not multi else None,
+        "gres": f"gpu:{gpus}" if gpus and multi else None,
+        "mpi": "srun" if multi else None,
+        "tasks": nodes if multi else None,
+        "tasks_per_gpu": 0 if gpus and multi else None,
+    }
+
+
+RESOURCE_NAMES = tuple(job_resources({"nodes": 1, "gpus": 0, "procs": 1, "mem_mb": 1, "runtime": 1}))
+
+
+def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
+    """The shell words that precede `stages/<stage>.py <args>` (values are validated or quoted)."""
+    omp = max(1, spec.threads // spec.procs_per_node)
+    env = f"PYTHONPATH={shlex.quote(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}} OMP_NUM_THREADS={omp}"
+    if spec.nodes == 1 and spec.procs_per_node == 1 and spec.gpus == 0:
+        return f"{env} python"
+    if spec.nodes == 1:
+        return f"{env} torchrun --standalone --nnodes 1 --nproc-per-node {spec.procs_per_node}"
+    # One torchrun per node. The rendezvous host is the allocation's first node, read inside each
+    # task (the jobstep strips SLURM_JOB_NODELIST from the job shell; srun sets it for its tasks).
+    torchrun = (
+        f"exec torchrun --nnodes {spec.nodes} --nproc-per-node {spec.procs_per_node}"
+        ' --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID"'
+        f' --rdzv-endpoint "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):{spec.rdzv_port}"'
+        ' "$@"'
+    )
+    gres = f" --gres=gpu:{spec.gpus}" if spec.gpus else ""
+    return (
+        f"{env} srun --nodes={spec.nodes} --ntasks={spec.nodes} --ntasks-per-node=1"
+        f" --cpus-per-task={spec.threads}{gres} --kill-on-bad-exit=1"
+        f" sh -c {shlex.quote(torchrun)} torchrun"
+    )

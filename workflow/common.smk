@@ -1,0 +1,83 @@
+# Config validation, the variant plan and the helpers every stage's rule uses.
+# The logic lives in posttrain/workflow/ (unit-tested Python); this file only wires it in.
+
+import os
+
+from snakemake.utils import min_version, validate
+
+from posttrain.workflow.config import validate_config
+from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
+from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
+from posttrain.workflow.views import write_plan_configs
+
+min_version("9.0")
+
+# Every key, type and allowed value is checked before any job is planned; a problem stops here
+# with a message naming the key. Defaults from the schema fill what the config leaves out.
+config.update(validate_config(config, where="config (config/config.yaml + --configfile/--config)"))
+validate(config, "schemas/config.schema.yaml")
+
+PLAN = build_plan(config)  # reads the ablation table; names the row and column of a bad cell
+RESULTS = PLAN.results
+# Each planned output's RESOLVED.json (<results>/<stage dir>/<key>.config.json) and the report's
+# (<results>/report.config.json): pure functions of the plan, written now (only where the content
+# differs) so that every stage rule finds its config as a plain input file.
+write_plan_configs(RESULTS, PLAN.configs())
+REPO = os.path.abspath(workflow.basedir)
+
+
+wildcard_constraints:
+    key=KEY_PATTERN,
+    variant=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+
+
+def script(stage):
+    """stages/<stage>.py relative to the working directory (an input, so editing it reruns the rule)."""
+    return os.path.relpath(os.path.join(REPO, "stages", f"{stage}.py"))
+
+
+def stage_output(stage):
+    return directory(f"{RESULTS}/{STAGE_DIRS[stage]}/{{key}}")
+
+
+def stage_log(stage):
+    return f"{RESULTS}/logs/{STAGE_DIRS[stage]}/{{key}}.log"
+
+
+def stage_benchmark(stage):
+    return f"{RESULTS}/benchmarks/{STAGE_DIRS[stage]}/{{key}}.tsv"
+
+
+def stage_inputs(stage):
+    """Input function: the script, the resolved config and the upstream outputs (named by CLI flag)."""
+
+    def inputs(wildcards):
+        job = PLAN.job(stage, wildcards.key)
+        return {
+            "script": script(stage),
+            "config": job.config_path,
+            **{flag: upstream.path for flag, upstream in job.inputs.items()},
+        }
+
+    return inputs
+
+
+def stage_resources(stage):
+    """Snakemake resources from the stage section's `resources` (not part of the stage key)."""
+    return {
+        name: lambda wildcards, name=name: job_resources(PLAN.job(stage, wildcards.key).resources)[name]
+        for name in RESOURCE_NAMES
+    }
+
+
+def stage_threads(stage):
+    return lambda wildcards: PLAN.job(stage, wildcards.key).resources["cpus"]
+
+
+def launcher(wildcards, threads, resources):
+    """Params function: python / torchrun / srun torchrun from the job's resources.
+
+    It takes `resources` and `threads`, so Snakemake treats it as derived and does not rerun a job
+    when only its resources change (the stage key covers what the output depends on).
+    """
+    return command_prefix(spec_from_resources(resources, threads), pythonpath=REPO)

@@ -1,0 +1,20 @@
+# Teacher: the output of distill.teacher_stage (default grpo); student: model.student.
+rule distill:
+    input:
+        unpack(stage_inputs("distill")),
+    output:
+        stage_output("distill"),
+    params:
+        launch=launcher,
+    threads: stage_threads("distill")
+    resources:
+        **stage_resources("distill"),
+    log:
+        stage_log("distill"),
+    benchmark:
+        stage_benchmark("distill")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        " --data {input.data:q} --teacher {input.teacher:q} > {log:q} 2>&1"

@@ -1,0 +1,19 @@
+rule dpo:
+    input:
+        unpack(stage_inputs("dpo")),
+    output:
+        stage_output("dpo"),
+    params:
+        launch=launcher,
+    threads: stage_threads("dpo")
+    resources:
+        **stage_resources("dpo"),
+    log:
+        stage_log("dpo"),
+    benchmark:
+        stage_benchmark("dpo")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"

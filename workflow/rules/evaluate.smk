@@ -1,0 +1,21 @@
+# One job per evaluated model (sft, dpo, grpo, distill of each variant), keyed by the eval
+# settings and the model's key: results/eval/<key>/metrics.json.
+rule evaluate:
+    input:
+        unpack(stage_inputs("evaluate")),
+    output:
+        stage_output("evaluate"),
+    params:
+        launch=launcher,
+    threads: stage_threads("evaluate")
+    resources:
+        **stage_resources("evaluate"),
+    log:
+        stage_log("evaluate"),
+    benchmark:
+        stage_benchmark("evaluate")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"

@@ -1,0 +1,20 @@
+# The model of export.stage (default distill), converted for deployment (and pushed if asked).
+rule export:
+    input:
+        unpack(stage_inputs("export")),
+    output:
+        stage_output("export"),
+    params:
+        launch=launcher,
+    threads: stage_threads("export")
+    resources:
+        **stage_resources("export"),
+    log:
+        stage_log("export"),
+    benchmark:
+        stage_benchmark("export")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        " --model {input.model:q} > {log:q} 2>&1"

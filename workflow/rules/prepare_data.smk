@@ -1,0 +1,18 @@
+rule prepare_data:
+    input:
+        unpack(stage_inputs("prepare_data")),
+    output:
+        stage_output("prepare_data"),
+    params:
+        launch=launcher,
+    threads: stage_threads("prepare_data")
+    resources:
+        **stage_resources("prepare_data"),
+    log:
+        stage_log("prepare_data"),
+    benchmark:
+        stage_benchmark("prepare_data")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"

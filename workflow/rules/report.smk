@@ -1,0 +1,20 @@
+# One summary over every variant's evals: results/report/ (summary.tsv, plots). Its config lists
+# each variant's manifest (stage -> key and path, eval -> key and path).
+rule report:
+    input:
+        script=script("report"),
+        config=f"{RESULTS}/report.config.json",
+        evals=PLAN.eval_paths(),
+    output:
+        directory(f"{RESULTS}/report"),
+    params:
+        launch=launcher,
+    log:
+        f"{RESULTS}/logs/report.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/report.tsv"
+    localrule: True
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"

@@ -1,0 +1,19 @@
+rule reward:
+    input:
+        unpack(stage_inputs("reward")),
+    output:
+        stage_output("reward"),
+    params:
+        launch=launcher,
+    threads: stage_threads("reward")
+    resources:
+        **stage_resources("reward"),
+    log:
+        stage_log("reward"),
+    benchmark:
+        stage_benchmark("reward")
+    conda:
+        "../../envs/cuda.yaml"
+    shell:
+        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"
