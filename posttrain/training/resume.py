@@ -21,7 +21,6 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from posttrain.optim import load_optimizer_state_dict, optimizer_state_dict
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -132,7 +133,7 @@ class Checkpointer:
         self,
         step: int,
         model: nn.Module,
-        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         data_state: dict[str, Any],
     ) -> Path:
@@ -143,9 +144,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        model_state, optim_state = get_state_dict(model, optimizers, options=_OPTIONS)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp, no_dist=self.world_size == 1)
+        state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
         record = {
             "step": step,
             "key": self.key,
@@ -173,7 +173,7 @@ class Checkpointer:
     def load(
         self,
         model: nn.Module,
-        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     ) -> ResumePoint | None:
         """Restore the newest checkpoint into model, optimizers, scheduler and RNGs; None when there is none."""
@@ -197,17 +197,14 @@ class Checkpointer:
                 f"{path}: resume state belongs to stage key {record.get('key')!r}, not this run's {self.key!r}; "
                 f"delete {self.root}"
             )
-        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        model_state, optim_state = get_state_dict(model, optimizers, options=_OPTIONS)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
-        result = set_state_dict(
-            model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
-        )
+        result = set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         wrong = sorted(set(result.missing_keys) - frozen) + sorted(result.unexpected_keys)
         if wrong:
             raise ResumeError(f"{path}: checkpoint does not match the model (first mismatched tensor {wrong[0]!r})")
+        load_optimizer_state_dict(model, optimizer, state["optim"])
         if scheduler is not None:
             scheduler.load_state_dict(record["scheduler"])
         _set_rng_state(record["rng"])

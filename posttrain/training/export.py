@@ -1,0 +1,63 @@
+"""The final output of a model-producing stage: an HF folder that appears complete or not at all.
+
+Every rank takes part in gathering the (sharded) weights; rank 0 writes into a temporary sibling
+of `out` and renames it (`atomic_dir`): safetensors + `config.json` + `generation_config.json`,
+tokenizer files, `metrics.jsonl`, `posttrain.json`, and for LoRA/QLoRA the merged weights plus
+the adapters in PEFT format under `adapter/`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.checkpoint import save_hf_model
+from posttrain.models.lora import merged_state_dict, save_peft_adapter
+from posttrain.parallel import barrier, gather_full_state_dict
+from posttrain.tokenizer import Tokenizer
+from posttrain.utils.io import atomic_dir
+from posttrain.utils.provenance import write_provenance
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def save_final_model(
+    out: str | Path,
+    model: nn.Module,
+    *,
+    hf_config: dict[str, Any],
+    tokenizer: Tokenizer,
+    cfg: Mapping[str, Any],
+    started: float,
+    summary: dict[str, Any],
+    metrics_path: Path | None,
+    is_main: bool,
+    base_model: str | None = None,
+) -> None:
+    """Gather, merge adapters, and write the stage output `out` atomically (collective).
+
+    `cfg` is the resolved config (its `stage`, `key`, `model.dtype` are used); `summary` goes
+    into `posttrain.json`; `base_model` names the adapters' base in `adapter/adapter_config.json`.
+    """
+    full = gather_full_state_dict(model)
+    if is_main:
+        lora = getattr(model, "lora_config", None) is not None
+        state = merged_state_dict(model, full) if lora else full
+        dtype = DTYPES[cfg["model"]["dtype"]]
+        with atomic_dir(out) as tmp:
+            save_hf_model(state, hf_config, tmp, dtype=dtype)
+            tokenizer.save(tmp)
+            if lora:
+                save_peft_adapter(model, tmp / "adapter", base_model, full)
+            if metrics_path is not None and metrics_path.exists():
+                shutil.copyfile(metrics_path, tmp / "metrics.jsonl")
+                logs = metrics_path.parent / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs, tmp / "logs")
+            write_provenance(tmp, dict(cfg), cfg["stage"], started, summary)
+    barrier()
