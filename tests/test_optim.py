@@ -143,21 +143,31 @@ def test_clip_grad_norm_matches_torch():
     assert clip_grad_norm_(b.parameters(), None) == pytest.approx(0.01, rel=1e-4)  # measures without clipping
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["adamw8bit", "adamw4bit"])
-def test_low_bit_optimizer_steps(kind):
-    """torchao low-bit AdamW: quantized states, one step moves the weights (first step compiles, ~1 min on CPU)."""
+def test_low_bit_optimizers_construct(kind):
+    model = torch.nn.Linear(256, 256)
+    opt = build_optimizer(model, 1e-2, 0.1, {"low_bit_optimizer": kind})
+    assert type(opt).__name__ == {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[kind]
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.slow
+def test_low_bit_optimizer_steps():
+    """torchao AdamW4bit: quantized states, and a step moves the weights.
+
+    The first step compiles torchao's update (90 s on an idle 2-core CPU). AdamW8bit shares the
+    code path but compiled for 5+ minutes here, so only its construction is tested on CPU.
+    """
     torch.manual_seed(0)
-    # 4-bit/8-bit states are only used for tensors of >= 4096 elements in blocks of 128/256.
+    # Low-bit states are only used for tensors of >= 4096 elements (blocks of 128 for 4-bit).
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
     before = [p.detach().clone() for p in model.parameters()]
-    opt = build_optimizer(model, 1e-2, 0.0, {"low_bit_optimizer": kind})
-    assert type(opt).__name__ == {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[kind]
+    opt = build_optimizer(model, 1e-2, 0.0, {"low_bit_optimizer": "adamw4bit"})
     start = time.time()
     model(torch.randn(4, 256)).square().mean().backward()
     opt.step()
-    print(f"{kind}: first step {time.time() - start:.1f} s")
+    print(f"adamw4bit: first step {time.time() - start:.1f} s")
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
     state = opt.state[model[0].weight]
-    low_bit = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() == 256 * 256]
-    assert low_bit and all(type(v) is not torch.Tensor for v in low_bit)  # quantized subclasses, not fp32
+    moments = [v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == (256, 256)]
+    assert len(moments) == 2 and all(type(v).__name__ == "OptimState4bit" for v in moments)

@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 T = TypeVar("T")
 
@@ -121,7 +122,12 @@ def on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
 
 
 def all_reduce_mean(value: float | torch.Tensor, device: torch.device | None = None) -> float:
-    """Average of a scalar over all ranks (losses and token counts for logging)."""
+    """Average of a scalar over all ranks (losses and token counts for logging).
+
+    A DTensor (the loss under `loss_parallel`) is reduced over its own mesh first.
+    """
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
     tensor = torch.as_tensor(value, dtype=torch.float64, device=device).detach().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)  # gloo has no AVG

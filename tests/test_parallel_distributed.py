@@ -1,0 +1,133 @@
+"""Two gloo processes on loopback: FSDP2, HSDP and TP=2 (loss parallel) follow the one-process run.
+
+All three layouts run in one spawned job (start-up dominates the cost). Each builds the model on
+the meta device, parallelizes it, materializes it and receives rank 0's weights by broadcast --
+the path the stages use -- then trains 5 steps on the same global batch with grad-norm clipping
+and a warmup-cosine schedule. Losses and grad norms must match the single-process reference
+within 1e-5 relative, and the gathered final weights within float32 noise.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy
+from posttrain.models import Transformer
+from posttrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+
+TINY = {
+    "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, "initializer_range": 0.02,
+}
+STEPS, BATCH, SEQ, LR = 5, 4, 16, 3e-3
+LAYOUTS = {
+    "fsdp": ({"activation_checkpointing": 1}, {"tp": 1, "dp_replicate": 1}),
+    "hsdp": ({}, {"tp": 1, "dp_replicate": 2}),
+    "tp": ({}, {"tp": 2, "dp_replicate": 1}),
+}
+
+
+def reference_weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return Transformer(TINY).state_dict()
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch repeated, so the loss must fall."""
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randint(0, 128, (BATCH, SEQ), generator=g), torch.randint(0, 128, (BATCH, SEQ), generator=g))
+    return [batch] * STEPS
+
+
+def train_single_process() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    model = Transformer(TINY)
+    model.load_state_dict(reference_weights())
+    opt = build_optimizer(model, LR, 0.0, {}, foreach=False)
+    sched = build_lr_scheduler(opt, 2, STEPS, 0.1)
+    losses, norms = [], []
+    for x, y in global_batches():
+        loss = linear_cross_entropy(model(x), model.lm_head, y, num_chunks=2)
+        loss.backward()
+        norms.append(clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    from posttrain.parallel import (
+        all_reduce_mean, build_mesh, data_parallel_rank, destroy, gather_full_state_dict,
+        init_distributed, load_full_state_dict, loss_context, materialize, parallelize, uses_tensor_parallel,
+    )
+
+    info = init_distributed()
+    results = {}
+    for name, (memory_cfg, parallel_cfg) in LAYOUTS.items():
+        mesh = build_mesh(info, parallel_cfg["tp"], parallel_cfg["dp_replicate"])
+        with torch.device("meta"):
+            model = Transformer(TINY)
+        parallelize(model, mesh, memory_cfg, parallel_cfg)
+        materialize(model, info.device, init=False)
+        load_full_state_dict(model, reference_weights() if info.is_main else {}, broadcast_from_rank0=True)
+        opt = build_optimizer(model, LR, 0.0, memory_cfg, foreach=False)
+        sched = build_lr_scheduler(opt, 2, STEPS, 0.1)
+        dp_rank, dp_size = data_parallel_rank(mesh)
+        losses, norms = [], []
+        for x, y in global_batches():
+            rows = slice(dp_rank * BATCH // dp_size, (dp_rank + 1) * BATCH // dp_size)
+            with loss_context(mesh):
+                hidden = model(x[rows])
+                if uses_tensor_parallel(mesh):
+                    loss = full_cross_entropy(hidden, model.lm_head, y[rows])
+                else:
+                    loss = linear_cross_entropy(hidden, model.lm_head, y[rows], num_chunks=2)
+                loss.backward()
+            norms.append(clip_grad_norm_(model.parameters(), 1.0))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(all_reduce_mean(loss))
+        state = gather_full_state_dict(model)
+        if info.is_main:
+            torch.save(state, os.path.join(out_dir, f"{name}.pt"))
+        results[name] = {"losses": losses, "norms": norms, "mesh": str(mesh)}
+    if info.is_main:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    destroy()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_hsdp_tp_match_single_process(tmp_path):
+    ref_losses, ref_norms, ref_state = train_single_process()
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) == set(LAYOUTS)
+    assert ref_losses[-1] < ref_losses[0]
+    for name, got in results.items():
+        print(name, got["mesh"], got["losses"])
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), name
+        state = torch.load(tmp_path / f"{name}.pt")
+        assert set(state) == set(ref_state), name
+        for key, value in ref_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
