@@ -21,7 +21,6 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from posttrain.config import load_resolved_config
 from posttrain.data.sources import KINDS, TASK_COLUMNS, DataError, canonical_rows, load_source
 from posttrain.data.store import write_split
 from posttrain.data.tasks import make_splits
-from posttrain.data.tokenize import preference_split, prompt_split, sft_split
+from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text
 from posttrain.models import is_preset
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.utils.io import atomic_dir
@@ -72,23 +71,12 @@ def hold_out(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def training_text(rows: dict[str, list[dict]]) -> Iterator[str]:
-    """Every message of the training kinds (never eval), as `role\\ncontent`, for BPE training."""
-    for row in rows["sft"]:
-        yield from (f"{m['role']}\n{m['content']}" for m in row["messages"])
-    for row in rows["preference"]:
-        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["chosen"] + row["rejected"])
-    for row in rows["prompts"]:
-        prompt = row["prompt"]
-        yield from ([f"user\n{prompt}"] if isinstance(prompt, str) else (f"{m['role']}\n{m['content']}" for m in prompt))
-
-
 def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path) -> Tokenizer:
     """`model.tokenizer` if set, else the policy's: a BPE trained here for presets, the folder's otherwise."""
     model, data = cfg["model"], cfg["data"]
     source = model.get("tokenizer") or model["policy"]
     if model.get("tokenizer") is None and is_preset(model["policy"]):
-        return train_bpe_tokenizer(training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
+        return train_bpe_tokenizer(tokenizer_training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
     Tokenizer(resolve_model_source(source)).save(out)
     return Tokenizer(out)
 

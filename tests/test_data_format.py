@@ -180,3 +180,21 @@ def test_packed_documents_never_see_each_other_in_the_model(tok: Tokenizer) -> N
         for d in range(int(docs[0].max())):
             alone = ids[0][docs[0] == d][None]
             torch.testing.assert_close(model(alone)[0], hidden[0][docs[0] == d], rtol=1e-5, atol=1e-5)
+
+
+def test_multiprocess_tokenization_matches_one_process(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import posttrain.data.tokenize as tokenize
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to run datasets.map with num_proc=2")
+    rows = [{"messages": [{"role": "user", "content": f"Compute {a} * 3."}, {"role": "assistant", "content": f"#### {3 * a}"}]}
+            for a in range(120)]
+    one, stats_one = sft_split(rows, tok, 64, "assistant", "right", packing=True)
+    monkeypatch.setattr(tokenize, "ROWS_PER_PROCESS", 60)
+    assert tokenize._num_proc(len(rows)) == 2
+    two, stats_two = sft_split(rows, tok, 64, "assistant", "right", packing=True)
+    assert stats_one == stats_two
+    for key in one:
+        np.testing.assert_array_equal(one[key], two[key])

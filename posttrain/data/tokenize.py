@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import datasets
@@ -167,3 +167,14 @@ def prompt_split(
         "dropped_too_long": dropped,
     }
     return columns, stats
+
+
+def tokenizer_training_text(rows: Mapping[str, Sequence[dict[str, Any]]]) -> Iterator[str]:
+    """Every message of the training kinds of canonical rows (never eval), as `role\ncontent`, for BPE training."""
+    for row in rows.get("sft", []):
+        yield from (f"{m['role']}\n{m['content']}" for m in row["messages"])
+    for row in rows.get("preference", []):
+        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["chosen"] + row["rejected"])
+    for row in rows.get("prompts", []):
+        prompt = row["prompt"]
+        yield from ([f"user\n{prompt}"] if isinstance(prompt, str) else (f"{m['role']}\n{m['content']}" for m in prompt))
