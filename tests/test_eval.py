@@ -1,0 +1,219 @@
+"""Evaluation: pass@k against enumeration, exact metrics on a known answer table, NLL and
+preference accuracy against full-logit references, lm-eval plumbing and its skip reasons."""
+
+import importlib.util
+import itertools
+import json
+from collections import Counter
+from fractions import Fraction
+from math import comb
+
+import pytest
+import torch
+import torch.nn.functional as F
+from eval_fixtures import DATA_KEY, DPO_CFG, load_stage, make_data, make_model, run_stage, write_config
+
+from posttrain.checkpoint import load_hf_model
+from posttrain.data.loader import sft_batches
+from posttrain.data.store import load_split
+from posttrain.evaluation import PromptResult, eval_pairs, mean_pass_at_k, pass_at_k, task_metrics
+from posttrain.evaluation.lm_eval import run_lm_eval
+from posttrain.tokenizer import Tokenizer
+
+SFT_KEY, DPO_KEY = "5f75f75f75f7", "d90d90d90d90"
+
+
+# ----- pass@k -----
+
+def test_pass_at_k_equals_enumeration_of_k_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                expected = Fraction(sum(any(s) for s in subsets), len(subsets))
+                assert pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="c <= n"):
+        pass_at_k(4, 5, 1)
+    assert mean_pass_at_k([0, 4], 4, 2) == 0.5
+
+
+def test_task_metrics_on_a_controlled_table():
+    table = [  # task, greedy correct, samples correct (of 4), length, truncated
+        ("a", True, 4, 3, False), ("a", False, 1, 5, True), ("b", False, 0, 8, True), ("b", True, 2, 4, False),
+    ]
+    results = [PromptResult(t, ok, {"task": float(ok), "format": 1.0}, n, tr, c) for t, ok, c, n, tr in table]
+    m = task_metrics(results, [1, 2], samples=4)
+    assert m["accuracy"] == 0.5
+    assert m["pass@1"] == (4 + 1 + 0 + 2) / 16
+    assert m["pass@2"] == pytest.approx((1 + (1 - 3 / 6) + 0 + (1 - 1 / 6)) / 4)
+    assert m["reward"] == 1.5 and m["reward_by_verifier"] == {"task": 0.5, "format": 1.0}
+    assert m["response_len"] == 5.0 and m["truncated"] == 0.5
+    assert m["per_task"]["a"]["accuracy"] == 0.5 and m["per_task"]["b"]["pass@1"] == 2 / 8
+    with pytest.raises(ValueError, match="eval.pass_k"):
+        task_metrics(results, [5], samples=4)
+
+
+# ----- the stage -----
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("results")
+    data = make_data(root, mp)
+    tok = Tokenizer(data / "tokenizer")
+    make_model(root, tok, "sft", SFT_KEY, {"prepare_data": DATA_KEY}, seed=1)
+    make_model(root, tok, "dpo", DPO_KEY, {"prepare_data": DATA_KEY, "sft": SFT_KEY}, seed=2, extra={"dpo": DPO_CFG})
+    mp.undo()
+    return root
+
+
+def eval_config(root, name, model_stage, model_key, **eval_overrides):
+    ev = {"n_prompts": 8, "max_new_tokens": 6, "pass_k": [1, 2], "samples": 3, "temperature": 1.0,
+          "lm_eval_tasks": [], **eval_overrides}
+    cfg = {"stage": "evaluate", "key": name, "upstream": {"prepare_data": DATA_KEY, model_stage: model_key}, "seed": 0,
+           "data": {"max_seq_len": 64}, "reward": {"verifiers": ["task", "format"]}, "eval": ev}
+    return write_config(root / "eval" / f"{name}.config.json", cfg)
+
+
+def run_eval(root, monkeypatch, name, stage, key, module=None, **eval_overrides):
+    module = module or load_stage("evaluate")
+    out = root / "eval" / name
+    run_stage(module, ["--config", eval_config(root, name, stage, key, **eval_overrides), "--data", root / "data" / DATA_KEY,
+                       "--model", root / stage / key, "--out", out], monkeypatch)
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
+    """Generation replaced by a table: greedy right on rows {0, 2, 3, 5}, row i has i % 4 of its 3 samples right."""
+    module = load_stage("evaluate")
+    data = results / "data" / DATA_KEY
+    tok = Tokenizer(data / "tokenizer")
+    rows = load_split(data, "eval").select(range(8))
+    index = {tuple(ids): i for i, ids in enumerate(rows["prompt_ids"])}
+    answers, tasks = rows["answer"], rows["task"]
+    greedy_right, samples_right = {0, 2, 3, 5}, [i % 4 for i in range(8)]  # 0..3 of 3 samples right
+    lengths = {}
+
+    def table_complete(model, tok_, prompts, params, generator, desc):
+        seen, tokens = Counter(), []
+        for p in prompts:
+            i = index[tuple(p)]
+            right = i in greedy_right if params.temperature == 0 else seen[i] < samples_right[i]
+            seen[i] += 1
+            ids = tok.encode(f"#### {answers[i]}" if right else "no idea") + [tok.eos_id]
+            if params.temperature == 0:
+                lengths[i] = len(ids)
+            tokens.append(ids)
+        return tokens, ["stop"] * len(tokens)
+
+    monkeypatch.setattr(module, "complete", table_complete)
+    out, m = run_eval(results, monkeypatch, "table00000000", "dpo", DPO_KEY, module=module)
+    assert m["n_prompts"] == 8
+    assert m["accuracy"] == 4 / 8
+    assert m["pass@1"] == (0 + 1 + 2 + 3) * 2 / 24  # mean of c / n
+    assert m["pass@2"] == pytest.approx((0 + (1 - comb(2, 2) / comb(3, 2)) + 1 + 1) / 4)
+    assert m["reward"] == 2 * 4 / 8 and m["reward_by_verifier"] == {"task": 0.5, "format": 0.5}
+    assert m["response_len"] == sum(lengths.values()) / 8 and m["truncated"] == 0.0
+    for task in set(tasks):
+        mine = [i for i in range(8) if tasks[i] == task]
+        assert m["per_task"][task]["accuracy"] == sum(i in greedy_right for i in mine) / len(mine)
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(logged) == 8 and all(len(r["samples"]) == 3 for r in logged)
+    assert [r["correct"] for r in logged] == [i in greedy_right for i in range(8)]
+    assert m["lm_eval"] == {"skipped": "eval.lm_eval_tasks is empty"}
+    provenance = json.loads((out / "posttrain.json").read_text())
+    assert provenance["stage"] == "evaluate" and provenance["metrics"]["accuracy"] == 0.5
+
+    # Held-out NLL against a full-logit cross-entropy over the same split.
+    model = load_hf_model(results / "dpo" / DPO_KEY)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in sft_batches(data, 4, seed=0, split="sft_eval", shuffle=False, loop=False):
+            logits = model.logits(model(batch["input_ids"], document_ids=batch["document_ids"]))
+            labels = batch["labels"]
+            total += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum").item()
+            count += int((labels != -100).sum())
+    assert m["nll_tokens"] == count
+    assert m["nll"] == pytest.approx(total / count, rel=1e-5)
+
+    # Implicit preference accuracy against per-sequence full-logit log-probs of policy and reference.
+    reference = load_hf_model(results / "sft" / SFT_KEY)
+    pairs = eval_pairs([json.loads(e) for e in rows["example"]], tok, 64)
+
+    def logp(net, ids, labels):
+        with torch.no_grad():
+            lp = net.logits(net(torch.tensor([ids])))[0].log_softmax(-1)
+        return sum(lp[t, y].item() for t, y in enumerate(labels) if y != -100)
+
+    wins = 0
+    for i in range(len(pairs["chosen_input_ids"])):
+        margin = 0.0
+        for side, sign in (("chosen", 1), ("rejected", -1)):
+            ids, labels = pairs[f"{side}_input_ids"][i], pairs[f"{side}_labels"][i]
+            margin += sign * (logp(model, ids, labels) - logp(reference, ids, labels))
+        wins += margin > 0
+    assert m["pref_pairs"] == 8
+    assert m["pref_acc"] == wins / 8
+    assert m["pref_reference"].endswith(f"sft/{SFT_KEY}")
+
+
+def test_real_generation_on_an_sft_model(results, monkeypatch):
+    out, m = run_eval(results, monkeypatch, "sftev0000000", "sft", SFT_KEY)
+    assert m["stage"] == "sft" and m["model_key"] == SFT_KEY
+    for key in ("accuracy", "pass@1", "pass@2", "reward", "response_len", "nll", "ppl"):
+        assert isinstance(m[key], float), key
+    assert 1 <= m["response_len"] <= 6
+    assert m["pref_acc"] is None and "dpo only" in m["pref_acc_note"]
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda cfg: cfg.pop("reward"), "reward.verifiers"),
+    (lambda cfg: cfg["eval"].update(pass_k=[1, 8]), "eval.pass_k has k=8"),
+])
+def test_config_errors_name_the_key(results, monkeypatch, change, message):
+    path = eval_config(results, "bad000000000", "sft", SFT_KEY)
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    write_config(path, cfg)
+    with pytest.raises(ValueError, match=message):
+        run_stage(load_stage("evaluate"), ["--config", path, "--data", results / "data" / DATA_KEY,
+                                           "--model", results / "sft" / SFT_KEY, "--out", results / "eval" / "bad"],
+                  monkeypatch)
+
+
+# ----- lm-evaluation-harness -----
+
+FAKE_MAIN = """
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+if "fail" in args[args.index("--tasks") + 1]:
+    print("ConnectionError: cannot reach the hub for task data")
+    sys.exit(1)
+out = Path(args[args.index("--output_path") + 1]) / "model"
+out.mkdir(parents=True)
+(out / "results_2026.json").write_text(json.dumps({"results": {"toy": {"acc,none": 0.25}}}))
+"""
+
+
+def test_lm_eval_results_and_skip_reasons(tmp_path, monkeypatch):
+    if importlib.util.find_spec("lm_eval") is None:
+        assert "not installed" in run_lm_eval(tmp_path, ["toy"], tmp_path, "cpu")["skipped"]
+    fake = tmp_path / "site" / "lm_eval"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(FAKE_MAIN)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    assert run_lm_eval(tmp_path, ["toy"], tmp_path, "cpu") == {"tasks": ["toy"], "results": {"toy": {"acc,none": 0.25}}}
+    failed = run_lm_eval(tmp_path, ["fail"], tmp_path, "cpu")
+    assert "status 1" in failed["skipped"] and "ConnectionError" in failed["skipped"]
+    assert "ConnectionError" in (tmp_path / "lm_eval.log").read_text()
+    assert run_lm_eval(tmp_path, [], tmp_path, "cpu") == {"skipped": "eval.lm_eval_tasks is empty"}
