@@ -63,6 +63,7 @@ class Batches:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.shuffle, self.loop = shuffle, loop
         self.epoch, self.index = 0, 0
+        self._order_cache: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -70,8 +71,11 @@ class Batches:
         return n // self.batch_size if self.loop else -(-n // self.batch_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        n = len(self.dataset)
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if self._order_cache[0] != epoch:
+            n = len(self.dataset)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
 
     def __iter__(self) -> Iterator[Batch]:
         return self
