@@ -49,7 +49,7 @@ USES: dict[str, tuple[str, ...]] = {
     "reward": (*_TRAINING, "reward"),
     "grpo": (*_TRAINING, "grpo"),
     "distill": (*_TRAINING, "model.student", "distill"),
-    "evaluate": ("seed", "eval"),
+    "evaluate": ("seed", "eval", "reward.verifiers"),  # verifiers decide what counts as correct
     "export": ("export",),
 }
 RESOURCES_FROM = {"prepare_data": "data", "evaluate": "eval"}  # stage -> section holding its resources
@@ -91,7 +91,7 @@ class Job:
     stage: str
     key: str
     path: str  # <results>/<stage dir>/<key>
-    inputs: dict[str, Job]  # CLI flag (data, model, teacher, reward) -> upstream job
+    inputs: dict[str, Job]  # CLI flag (data, model, teacher, reward, eval) -> upstream job
     resolved: dict[str, Any]  # RESOLVED.json: config subset + stage, key, upstream
     resources: dict[str, Any]  # <section>.resources of the first variant that planned this key
 
@@ -169,7 +169,8 @@ class Plan:
         models = {"sft": sft, "dpo": dpo, "grpo": grpo}
         models["distill"] = self._add("distill", cfg, {"data": data, "teacher": models[cfg["distill"]["teacher_stage"]]})
         evals = {stage: self._add("evaluate", cfg, {"data": data, "model": models[stage]}) for stage in MODEL_STAGES}
-        export = self._add("export", cfg, {"model": models[cfg["export"]["stage"]]})
+        exported = cfg["export"]["stage"]  # the model card quotes the model's eval
+        export = self._add("export", cfg, {"model": models[exported], "eval": evals[exported]})
         stages = {"prepare_data": data, "sft": sft, "dpo": dpo, "reward": reward, "grpo": grpo, "distill": models["distill"]}
         plan = VariantPlan(variant.name, variant.overrides, stages, evals, export)
         self.variants[variant.name] = plan

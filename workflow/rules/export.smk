@@ -1,4 +1,5 @@
-# The model of export.stage (default distill), converted for deployment (and pushed if asked).
+# The model of export.stage (default distill), converted for deployment (and pushed if asked);
+# its model card quotes that model's eval.
 rule export:
     input:
         unpack(stage_inputs("export")),
@@ -17,4 +18,4 @@ rule export:
         "../../envs/cuda.yaml"
     shell:
         "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
-        " --model {input.model:q} > {log:q} 2>&1"
+        " --model {input.model:q} --eval {input.eval:q} > {log:q} 2>&1"

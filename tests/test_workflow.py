@@ -1,0 +1,477 @@
+"""The workflow's Python side: config schema, ablation table, stage keys, launcher, views.
+
+Fast (no Snakemake run); tests/test_workflow_snakemake.py drives the Snakefile itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import subprocess
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from posttrain.workflow import config as wfconfig
+from posttrain.workflow.ablations import parse_cell, read_ablations
+from posttrain.workflow.config import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
+from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources, spec_from_resources
+from posttrain.workflow.plan import KEY_LENGTH, build_plan
+from posttrain.workflow.views import write_json, write_plan_configs, write_variant_view
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = load_config()
+
+
+def cfg_with(**sections) -> dict:
+    """The default config with `sections` deep-merged over it, no ablation table."""
+    return validate_config(merge(BASE, {"ablations": None}, sections))
+
+
+def error_text(cfg: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, where="test.yaml")
+    return str(err.value)
+
+
+def write_table(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ablations.tsv"
+    path.write_text(textwrap.dedent(text).lstrip("\n").replace("|", "\t"))
+    return path
+
+
+# --- config schema ----------------------------------------------------------------------------
+
+
+def test_schema_defaults_equal_the_default_config():
+    assert validate_config({}) == BASE
+
+
+@pytest.mark.parametrize("overlay", ["config/smoke.yaml", *sorted(str(p.relative_to(REPO)) for p in (REPO / "config/examples").glob("*.yaml"))])
+def test_shipped_configs_validate(overlay):
+    cfg = load_config(REPO / "config/config.yaml", REPO / overlay)
+    build_plan(cfg)  # and plan (their ablations are null or a shipped table)
+
+
+def test_example_is_real_scale():
+    cfg = load_config(REPO / "config/config.yaml", REPO / "config/examples/qwen3-0.6b-8gpu.yaml")
+    assert cfg["model"]["policy"] == "Qwen/Qwen3-0.6B"
+    assert cfg["sft"]["resources"]["gpus"] == 8 and cfg["memory"]["mixed_precision"]
+    assert any(s["path"] == "openai/gsm8k" and s["columns"] for s in cfg["data"]["sources"])
+
+
+def test_unknown_key_names_path_and_suggests():
+    text = error_text(merge(BASE, {"sft": {"lrr": 1e-3}}))
+    assert "test.yaml: sft.lrr: unknown key (did you mean 'lr'?)" in text
+    assert "allowed keys under 'sft':" in text and "warmup_steps" in text
+
+
+def test_unknown_top_level_section():
+    assert "grp: unknown key (did you mean 'grpo'?)" in error_text(merge(BASE, {"grp": {}}))
+
+
+def test_bad_choice_lists_allowed_values():
+    text = error_text(merge(BASE, {"grpo": {"mode": "asyncc"}}))
+    assert 'grpo.mode: "asyncc" is not allowed; allowed values: "sync", "async"' in text
+
+
+def test_null_is_listed_among_allowed_values():
+    text = error_text(merge(BASE, {"memory": {"low_bit_optimizer": "adamw2bit"}}))
+    assert 'allowed values: null, "adamw8bit", "adamw4bit"' in text
+
+
+def test_every_problem_is_reported_at_once():
+    text = error_text(merge(BASE, {"sft": {"lr": -1, "steps": "many"}, "dpo": {"loss": "hinge"}}))
+    assert "3 problems" in text
+    assert "sft.lr: -1 must be > 0" in text
+    assert 'sft.steps: "many" is not of type integer' in text
+    assert "dpo.loss" in text
+
+
+def test_task_keys_are_checked_per_task():
+    text = error_text(merge(BASE, {"data": {"tasks": [{"name": "sort", "lenght": 4}, {"name": "parity"}]}}))
+    assert "data.tasks[0].lenght: unknown key (did you mean 'length'?)" in text
+    assert 'data.tasks[1].name: "parity" is not allowed' in text
+
+
+def test_cross_key_rules():
+    text = error_text(merge(BASE, {
+        "sft": {"resources": {"gpus": 2, "procs": 2}},
+        "eval": {"pass_k": [1, 8], "samples": 4},
+        "data": {"tasks": [], "sources": []},
+    }))
+    assert "sft.resources.procs" in text and "eval.pass_k: [8] exceed eval.samples = 4" in text
+    assert "data.tasks: is empty and so is data.sources" in text
+
+
+def test_defaults_fill_missing_keys_without_sharing_objects():
+    a = validate_config({"sft": {"steps": 5}})
+    b = validate_config({})
+    assert a["sft"]["steps"] == 5 and a["sft"]["lr"] == BASE["sft"]["lr"]
+    a["sft"]["lora"]["targets"].append("x")
+    assert "x" not in b["sft"]["lora"]["targets"] and "x" not in validate_config({})["sft"]["lora"]["targets"]
+
+
+def test_numbers_are_normalized_so_equal_configs_hash_equally():
+    cfg = validate_config(merge(BASE, {"sft": {"lr": 1, "steps": 300.0}}))
+    assert cfg["sft"]["lr"] == 1.0 and isinstance(cfg["sft"]["lr"], float)
+    assert cfg["sft"]["steps"] == 300 and isinstance(cfg["sft"]["steps"], int)
+    one = build_plan(cfg_with(sft={"lr": 1}))
+    one_float = build_plan(cfg_with(sft={"lr": 1.0}))
+    assert one.variants["default"].stages["sft"].key == one_float.variants["default"].stages["sft"].key
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft: {lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid YAML"):
+        load_yaml(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: must be a mapping"):
+        load_yaml(bad)
+
+
+# --- ablation table ---------------------------------------------------------------------------
+
+
+def test_no_table_or_empty_table_is_one_default_variant(tmp_path):
+    assert list(build_plan(cfg_with()).variants) == ["default"]
+    header_only = write_table(tmp_path, "variant|sft.lr\n")
+    assert list(build_plan(cfg_with(ablations=str(header_only))).variants) == ["default"]
+    assert list(build_plan(cfg_with(ablations="")).variants) == ["default"]
+
+
+def test_default_table_plans():
+    plan = build_plan(BASE)
+    assert list(plan.variants) == ["default", "distill_rkl"]
+    assert plan.variants["distill_rkl"].overrides == {"distill.loss": "reverse_kl"}
+
+
+def test_cells_are_parsed_to_schema_types(tmp_path):
+    table = write_table(tmp_path, """
+        # comment lines and blank lines are skipped
+        variant|sft.lr|memory.optimizer_in_backward|eval.pass_k|model.policy|export.push_to_hub|grpo.group_size
+
+        a|3e-4|true|[1, 2]|1.5|null|4
+        b||||||
+    """)
+    variants = read_ablations(table, BASE)
+    a = variants["a"]
+    assert a.overrides == {"sft.lr": 3e-4, "memory.optimizer_in_backward": True, "eval.pass_k": [1, 2],
+                           "model.policy": "1.5", "export.push_to_hub": None, "grpo.group_size": 4}
+    assert a.config["sft"]["lr"] == 3e-4 and a.config["model"]["policy"] == "1.5"
+    assert variants["b"].overrides == {} and variants["b"].config == BASE
+
+
+def test_parse_cell_keeps_strings_for_string_keys():
+    assert parse_cell("true", schema_at("model.student")) == "true"
+    assert parse_cell("1e-5", schema_at("grpo.lr")) == 1e-5
+    assert parse_cell("8.0", schema_at("grpo.group_size")) == 8
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_cell("[1, 2", schema_at("eval.pass_k"))
+
+
+def table_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        read_ablations(write_table(tmp_path, text), BASE)
+    return str(err.value)
+
+
+def test_bad_value_names_line_variant_and_column(tmp_path):
+    text = table_error(tmp_path, """
+        variant|sft.lr|grpo.mode
+        ok|1e-3|sync
+        bad|-1|asyncc
+    """)
+    assert "ablations.tsv: 2 problems" in text
+    assert "line 3 (variant 'bad'), column 'sft.lr': -1 must be > 0" in text
+    assert "line 3 (variant 'bad'), column 'grpo.mode': \"asyncc\" is not allowed; allowed values: \"sync\", \"async\"" in text
+
+
+def test_unknown_column_names_column_and_suggests(tmp_path):
+    text = table_error(tmp_path, "variant|sft.lrr|grpo.group_size\na|1|4\n")
+    assert "ablations.tsv line 1: column 2 'sft.lrr': is not a config key (did you mean 'sft.lr'?)" in text
+
+
+@pytest.mark.parametrize("column", ["results", "ablations", "Sft.lr", "sft..lr", "sft.lr;x"])
+def test_forbidden_or_malformed_columns(tmp_path, column):
+    text = table_error(tmp_path, f"variant|{column}\na|1\n")
+    assert f"column 2 {column!r}" in text
+
+
+def test_first_column_must_be_variant_and_columns_unique(tmp_path):
+    assert "the first column must be 'variant'" in table_error(tmp_path, "name|sft.lr\na|1\n")
+    assert "column 3 'sft.lr': appears twice" in table_error(tmp_path, "variant|sft.lr|sft.lr\na|1|2\n")
+
+
+@pytest.mark.parametrize("name", ["x; rm -rf ~", "..", ".hidden", "-rf", "a/b", "$(id)", "a b", "x" * 101])
+def test_bad_variant_names_are_rejected(tmp_path, name):
+    text = table_error(tmp_path, f"variant|sft.lr\nok|1\n{name}|2\n")
+    assert f"line 3, column 'variant': variant name {name!r} must be" in text
+
+
+def test_empty_variant_name_and_duplicates(tmp_path):
+    assert "variant name '' must be" in table_error(tmp_path, "variant|sft.lr\n|1\n")
+    assert "line 3 (variant 'a'): duplicate variant name (first on line 2)" in table_error(tmp_path, "variant|sft.lr\na|1\na|2\n")
+
+
+def test_row_with_too_many_cells(tmp_path):
+    assert "line 2: 3 cells but the header has 2 columns" in table_error(tmp_path, "variant|sft.lr\na|1|2\n")
+
+
+def test_cross_key_problem_caused_by_a_variant(tmp_path):
+    text = table_error(tmp_path, "variant|eval.samples\nfew|1\n")
+    assert "line 2 (variant 'few'): eval.pass_k: [4] exceed eval.samples = 1" in text
+
+
+def test_missing_table_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.tsv: cannot read the ablation table"):
+        build_plan(cfg_with(ablations=str(tmp_path / "nope.tsv")))
+
+
+# --- stage keys and the plan ------------------------------------------------------------------
+
+
+def grpo_sweep(tmp_path: Path, sizes=(4, 8, 16)) -> dict:
+    rows = "".join(f"g{s}|{s}\n" for s in sizes)
+    return cfg_with(ablations=str(write_table(tmp_path, "variant|grpo.group_size\n" + rows)))
+
+
+def test_variants_differing_in_grpo_share_the_prefix(tmp_path):
+    plan = build_plan(grpo_sweep(tmp_path))
+    counts = {stage: len(jobs) for stage, jobs in plan.jobs.items()}
+    assert counts == {"prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 3, "distill": 3,
+                      "evaluate": 1 + 1 + 3 + 3, "export": 3}
+    keys = {name: {s: j.key for s, j in v.stages.items()} for name, v in plan.variants.items()}
+    assert keys["g4"]["sft"] == keys["g16"]["sft"] and keys["g4"]["grpo"] != keys["g16"]["grpo"]
+
+
+def stage_keys(cfg: dict) -> dict[str, str]:
+    v = build_plan(cfg).variants["default"]
+    return {**{s: j.key for s, j in v.stages.items()}, **{f"eval_{s}": j.key for s, j in v.evals.items()},
+            "export": v.export.key}
+
+
+def changed(a: dict, b: dict) -> set[str]:
+    return {stage for stage in a if a[stage] != b[stage]}
+
+
+def test_a_change_moves_exactly_the_downstream_keys():
+    base = stage_keys(cfg_with())
+    everything_after_sft = set(base) - {"prepare_data"}
+    assert changed(base, stage_keys(cfg_with(sft={"lr": 1e-3}))) == everything_after_sft
+    evals = {"eval_sft", "eval_dpo", "eval_grpo", "eval_distill", "export"}  # export quotes its eval
+    assert changed(base, stage_keys(cfg_with(eval={"max_new_tokens": 16}))) == evals
+    assert changed(base, stage_keys(cfg_with(grpo={"group_size": 4}))) == {"grpo", "distill", "eval_grpo", "eval_distill", "export"}
+    assert changed(base, stage_keys(cfg_with(model={"student": "tiny"}))) == {"distill", "eval_distill", "export"}
+    assert changed(base, stage_keys(cfg_with(export={"dtype": "float32"}))) == {"export"}
+    assert changed(base, stage_keys(cfg_with(data={"n_sft": 100}))) == set(base)
+    assert changed(base, stage_keys(cfg_with(seed=7))) == set(base)
+
+
+def test_resources_are_not_part_of_keys_or_configs():
+    base = build_plan(cfg_with())
+    more = build_plan(cfg_with(sft={"resources": {"gpus": 8, "cpus": 32}}, data={"resources": {"mem_mb": 1}}))
+    assert stage_keys(cfg_with()) == stage_keys(cfg_with(sft={"resources": {"gpus": 8}}))
+    sft = more.variants["default"].stages["sft"]
+    assert sft.resources["gpus"] == 8 and base.variants["default"].stages["sft"].resources["gpus"] == 0
+    for jobs in more.jobs.values():
+        for job in jobs.values():
+            assert all("resources" not in section for section in job.resolved.values() if isinstance(section, dict))
+
+
+def test_resolved_config_contract(tmp_path):
+    plan = build_plan(grpo_sweep(tmp_path))
+    g4, g8 = plan.variants["g4"], plan.variants["g8"]
+    sft, grpo = g4.stages["sft"], g4.stages["grpo"]
+    assert len(sft.key) == KEY_LENGTH and all(c in "0123456789abcdef" for c in sft.key)
+    assert sft.path == f"results/sft/{sft.key}" and sft.config_path == f"results/sft/{sft.key}.config.json"
+    assert sft.resolved["stage"] == "sft" and sft.resolved["key"] == sft.key
+    assert sft.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key}
+    assert set(sft.resolved) == {"seed", "model", "data", "memory", "parallel", "sft", "stage", "key", "upstream"}
+    assert "student" not in sft.resolved["model"]  # only distill reads the student
+    assert grpo.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key, "dpo": g4.stages["dpo"].key,
+                                         "reward": g4.stages["reward"].key}
+    assert grpo.resolved["grpo"]["group_size"] == 4 and grpo.resolved["reward"] == g4.stages["reward"].resolved["reward"]
+    assert g4.evals["sft"].resolved["reward"]["verifiers"] == ["task"]  # evaluate scores with the verifiers
+    assert g4.stages["sft"].resolved == g8.stages["sft"].resolved  # a pure function of the key
+    assert set(g4.export.inputs) == {"model", "eval"} and g4.export.inputs["model"].stage == "distill"
+    assert json.loads(json.dumps(sft.resolved)) == sft.resolved
+
+
+def test_distill_teacher_and_export_stage_follow_the_config():
+    v = build_plan(cfg_with(distill={"teacher_stage": "dpo"}, export={"stage": "grpo"})).variants["default"]
+    assert v.stages["distill"].inputs["teacher"] is v.stages["dpo"]
+    assert v.export.inputs["model"] is v.stages["grpo"] and v.export.inputs["eval"] is v.evals["grpo"]
+    assert v.manifest()["export"]["stage"] == "grpo"
+
+
+def test_results_root_is_configurable():
+    v = build_plan(cfg_with(results="/scratch/me/runs/")).variants["default"]
+    assert v.stages["sft"].path.startswith("/scratch/me/runs/sft/")
+    assert "results: " in error_text(merge(BASE, {"results": "a b"}))
+
+
+def test_report_config_lists_every_variant(tmp_path):
+    plan = build_plan(grpo_sweep(tmp_path))
+    report = plan.configs()["report"]
+    assert report["stage"] == "report" and list(report["variants"]) == ["g4", "g8", "g16"]
+    manifest = report["variants"]["g8"]
+    assert manifest["overrides"] == {"grpo.group_size": 8}
+    assert manifest["stages"]["grpo"]["path"] == plan.variants["g8"].stages["grpo"].path
+    assert set(manifest["eval"]) == {"sft", "dpo", "grpo", "distill"}
+    assert plan.eval_paths() == sorted({j.path for v in plan.variants.values() for j in v.evals.values()})
+
+
+# --- launcher ---------------------------------------------------------------------------------
+
+ENV = "PYTHONPATH=/repo${PYTHONPATH:+:$PYTHONPATH}"
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    (LaunchSpec(threads=2), f"{ENV} OMP_NUM_THREADS=2 python"),
+    (LaunchSpec(procs=2, threads=2), f"{ENV} OMP_NUM_THREADS=1 torchrun --standalone --nnodes 1 --nproc-per-node 2"),
+    (LaunchSpec(gpus=1, threads=8), f"{ENV} OMP_NUM_THREADS=8 torchrun --standalone --nnodes 1 --nproc-per-node 1"),
+    (LaunchSpec(gpus=8, threads=64), f"{ENV} OMP_NUM_THREADS=8 torchrun --standalone --nnodes 1 --nproc-per-node 8"),
+])
+def test_single_node_commands(spec, expected):
+    assert command_prefix(spec, "/repo") == expected
+
+
+def test_multi_node_command():
+    words = shlex.split(command_prefix(LaunchSpec(nodes=4, gpus=8, threads=64), "/repo"))
+    assert words[:2] == ["PYTHONPATH=/repo${PYTHONPATH:+:$PYTHONPATH}", "OMP_NUM_THREADS=8"]
+    assert words[2:9] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=64",
+                          "--gres=gpu:8", "--kill-on-bad-exit=1"]
+    assert words[9:11] == ["sh", "-c"] and words[12] == "torchrun"
+    assert words[11].startswith("exec torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")
+
+
+def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
+    """Fake srun/scontrol/torchrun on PATH: each node's torchrun gets the same c10d endpoint and the
+    script's arguments intact (quoting survives `sh -c`)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        # srun: run the command once per node with the variables srun sets for its tasks
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                'for node in 0 1; do SLURM_JOB_NODELIST="gpu[07-08]" SLURM_NODEID=$node "$@" || exit 1; done',
+        "scontrol": '[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"',
+        "torchrun": 'printf "%s\\n" "node=$SLURM_NODEID" "$@" >> "$TORCHRUN_LOG"',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    prefix = command_prefix(LaunchSpec(nodes=2, gpus=4, threads=16), "/repo with space")
+    log = tmp_path / "torchrun.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "TORCHRUN_LOG": str(log)}
+    subprocess.run(["bash", "-c", f"{prefix} stages/sft.py --config {shlex.quote('cfg dir/x.json')} --out o"],
+                   env=env, check=True)
+    args = ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-id", "4242",
+            "--rdzv-endpoint", "gpu07:29500", "stages/sft.py", "--config", "cfg dir/x.json", "--out", "o"]
+    assert log.read_text().splitlines() == ["node=0", *args, "node=1", *args]
+
+
+def test_launch_spec_rejects_bad_values():
+    for bad in ({"nodes": 0}, {"gpus": -1}, {"procs": "2; rm -rf ~"}, {"threads": True}, {"gpus": 2, "procs": 2}):
+        with pytest.raises(ValueError, match="launch:"):
+            LaunchSpec(**bad)
+    with pytest.raises(ValueError, match="gres"):
+        spec_from_resources({"gres": "gpu:8;id"}, threads=1)
+
+
+def test_job_resources_round_trip_to_the_launch_spec():
+    for res in ({"nodes": 1, "gpus": 0, "procs": 2}, {"nodes": 1, "gpus": 8, "procs": 1}, {"nodes": 3, "gpus": 4, "procs": 1}):
+        resources = {k: v for k, v in job_resources({**res, "mem_mb": 1000, "runtime": 5}).items() if v is not None}
+        spec = spec_from_resources(resources, threads=4)
+        assert (spec.nodes, spec.gpus, spec.procs) == (res["nodes"], res["gpus"], res["procs"])
+    assert spec_from_resources({"gres": "gpu:a100:2", "nodes": 2}, 1).gpus == 2
+
+
+class _Resources(dict):
+    """Enough of Snakemake's job resources for the slurm plugin: `.get` and attribute access."""
+
+    __getattr__ = dict.__getitem__
+
+
+def sbatch_flags(res: dict, threads: int) -> str:
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    resources = _Resources({k: v for k, v in job_resources({**res, "mem_mb": 8000, "runtime": 60}).items() if v is not None})
+    job = SimpleNamespace(resources=resources, threads=threads)
+    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "", "workdir": ""}
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+def test_slurm_plugin_reads_the_job_resources():
+    cpu = sbatch_flags({"nodes": 1, "gpus": 0, "procs": 1}, threads=2)
+    assert "--nodes=1" in cpu and "--ntasks=1" in cpu and "--cpus-per-task=2" in cpu and "--mem 8000" in cpu
+    assert "-t 60" in cpu and "gpu" not in cpu
+    one_node = sbatch_flags({"nodes": 1, "gpus": 8, "procs": 1}, threads=64)
+    assert "--gpus=8" in one_node and "--ntasks" not in one_node and "--cpus-per-task=64" in one_node
+    multi = sbatch_flags({"nodes": 2, "gpus": 8, "procs": 1}, threads=64)
+    assert "--nodes=2" in multi and "--ntasks=2" in multi and "--gres=gpu:8" in multi
+    assert "--gpus=" not in multi and "--ntasks-per-gpu" not in multi
+
+
+# --- views ------------------------------------------------------------------------------------
+
+
+def test_write_json_leaves_identical_files_alone(tmp_path):
+    path = tmp_path / "a" / "x.json"
+    assert write_json(path, {"b": 1, "a": [1]})
+    os.utime(path, (1, 1))
+    assert not write_json(path, {"a": [1], "b": 1}) and path.stat().st_mtime == 1
+    assert write_json(path, {"a": 2}) and json.loads(path.read_text()) == {"a": 2}
+
+
+def test_plan_configs_and_variant_view(tmp_path):
+    plan = build_plan(grpo_sweep(tmp_path))
+    results = str(tmp_path / "results")
+    assert write_plan_configs(results, plan.configs()) == len(plan.configs())
+    assert write_plan_configs(results, plan.configs()) == 0
+    sft = plan.variants["g4"].stages["sft"]
+    written = json.loads((tmp_path / "results" / "sft" / f"{sft.key}.config.json").read_text())
+    assert written == sft.resolved
+    manifest = copy.deepcopy(plan.variants["g4"].manifest())
+    for group in ("stages", "eval"):
+        for ref in manifest[group].values():
+            ref["path"] = ref["path"].replace("results", results, 1)
+            Path(ref["path"]).mkdir(parents=True, exist_ok=True)
+    manifest["export"]["path"] = manifest["export"]["path"].replace("results", results, 1)
+    out = tmp_path / "results" / "variants" / "g4"
+    write_variant_view(out, manifest)
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert os.readlink(out / "sft") == f"../../sft/{sft.key}" and (out / "sft").is_dir()
+    assert (out / "eval-grpo").is_dir() and os.readlink(out / "export").startswith("../../export/")
+
+
+# --- environments -----------------------------------------------------------------------------
+
+
+def pins(lines) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        line = line.strip()
+        if line and not line.startswith(("#", "-")) and "==" in line:
+            name, version = line.split("==")
+            out[name.lower()] = version
+    return out
+
+
+def test_environment_pins_agree():
+    cpu = pins((REPO / "envs/cpu.txt").read_text().splitlines())
+    lock = pins((REPO / "envs/cuda-lock.txt").read_text().splitlines())
+    conda = yaml.safe_load((REPO / "envs/cuda.yaml").read_text())
+    conda_pip = pins(next(d for d in conda["dependencies"] if isinstance(d, dict))["pip"])
+    assert cpu["torch"] == lock["torch"] + "+cpu"
+    assert {k: v for k, v in cpu.items() if k in lock and k != "torch"} == {k: v for k, v in lock.items() if k != "torch"}
+    assert conda_pip.items() <= lock.items() and "torch" in conda_pip
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"snakemake=={cpu["snakemake"]}"' in pyproject and f'"torch=={lock["torch"]}"' in pyproject
