@@ -68,9 +68,10 @@ def test_messages_and_preference_round_trip(tmp_path: Path, suffix: str) -> None
 
 
 def test_csv_numbers_are_answers_not_type_errors(tmp_path: Path) -> None:
-    path = _write([{"prompt": "Compute 1 + 2.", "answer": 3, "id": 7}], tmp_path / "n.csv")
-    rows, _ = canonical_rows(load_source(str(path)), "eval", str(path))
-    assert (rows[0]["answer"], rows[0]["id"]) == ("3", "7")
+    path = tmp_path / "n.csv"
+    path.write_text("prompt,answer,id\nCompute 1 + 2.,3,7\nCompute 0.5 + 1.,1.5,8\nCompute 9 + 9.,,9\n")
+    rows, skipped = canonical_rows(load_source(str(path)), "eval", str(path), skip_bad=True)
+    assert [(r["answer"], r["id"]) for r in rows] == [("3", "7"), ("1.5", "8")] and skipped == 1
 
 
 BAD_CASES = [

@@ -128,7 +128,8 @@ class _RowChecker:
     def text(self, field: str, numbers_ok: bool = False) -> str:
         value = self.get(field)
         if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            # CSV integer columns with an empty cell load as floats: 3.0 is the answer "3".
+            return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
         if not isinstance(value, str):
             raise self.bad(field, f"must be a string, got {type(value).__name__}")
         return value
