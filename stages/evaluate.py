@@ -39,7 +39,8 @@ from posttrain.config import load_resolved_config
 from posttrain.data.loader import prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
 from posttrain.evaluation.lm_eval import run_lm_eval
-from posttrain.generation import SamplingParams, generate
+from posttrain.generation import SamplingParams
+from posttrain.generation.backend import GenerationBackend, NativeBackend
 from posttrain.models import Transformer
 from posttrain.rewards.verifiers import load_verifiers, score
 from posttrain.tokenizer import Tokenizer
@@ -68,13 +69,14 @@ def eval_rows(data_dir: Path, n: int, seed: int) -> list[dict[str, Any]]:
     return rows[:n]
 
 
-def complete(model: Transformer, tok: Tokenizer, prompts: list[list[int]], params: SamplingParams,
-             generator: torch.Generator | None, desc: str) -> tuple[list[list[int]], list[str]]:
-    """Generated ids and finish reasons for each prompt, GENERATION_BATCH sequences at a time."""
+def complete(backend: GenerationBackend, prompts: list[list[int]], params: SamplingParams, seed: int,
+             desc: str) -> tuple[list[list[int]], list[str]]:
+    """Generated ids and finish reasons per prompt, GENERATION_BATCH at a time (chunk i seeded `seed + i`)."""
     tokens: list[list[int]] = []
     reasons: list[str] = []
-    for start in tqdm(range(0, len(prompts), GENERATION_BATCH), desc=desc, unit="batch", mininterval=1.0):
-        out = generate(model, prompts[start : start + GENERATION_BATCH], params, pad_id=tok.pad_id, generator=generator)
+    starts = range(0, len(prompts), GENERATION_BATCH)
+    for i, start in enumerate(tqdm(starts, desc=desc, unit="batch", mininterval=1.0)):
+        out = backend.generate(prompts[start : start + GENERATION_BATCH], params, seed + i)
         tokens += out.tokens
         reasons += out.finish_reasons
     return tokens, reasons
@@ -148,15 +150,15 @@ def main() -> None:
     examples = [r["example"] for r in rows]
 
     greedy_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=0.0, stop_token_ids=tok.eos_ids)
-    greedy, greedy_reasons = complete(model, tok, prompts, greedy_params, None, "greedy")
+    backend = NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH)
+    greedy, greedy_reasons = complete(backend, prompts, greedy_params, seed, "greedy")
     greedy_text = tok.decode_batch(greedy)
     greedy_scores = score(greedy_text, examples, verifiers)
 
     n = ev["samples"]
     sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
                                    stop_token_ids=tok.eos_ids)
-    generator = torch.Generator(device).manual_seed(seed)
-    sampled, _ = complete(model, tok, [p for p in prompts for _ in range(n)], sample_params, generator, f"sampled x{n}")
+    sampled, _ = complete(backend, [p for p in prompts for _ in range(n)], sample_params, seed, f"sampled x{n}")
     sampled_text = tok.decode_batch(sampled)
     sampled_scores = score(sampled_text, [ex for ex in examples for _ in range(n)], verifiers)
     sampled_correct = [is_correct(s, verifier_specs[0]) for s in sampled_scores]

@@ -100,7 +100,7 @@ def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
     greedy_right, samples_right = {0, 2, 3, 5}, [i % 4 for i in range(8)]  # 0..3 of 3 samples right
     lengths = {}
 
-    def table_complete(model, tok_, prompts, params, generator, desc):
+    def table_complete(backend, prompts, params, seed, desc):
         seen, tokens = Counter(), []
         for p in prompts:
             i = index[tuple(p)]
