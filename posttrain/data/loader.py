@@ -119,7 +119,9 @@ def _pad(seqs: list[np.ndarray], length: int, value: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
+def preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
+    """Collate for preference rows (also pairs built outside prepare_data: DPO's held-out and on-policy pairs)."""
+
     def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
         sides = ("chosen", "rejected")
         length = max((len(s) for side in sides for s in cols[f"{side}_input_ids"]), default=0)
@@ -159,7 +161,7 @@ def preference_batches(
 ) -> Batches:
     """Preference pairs: `{chosen,rejected}_{input_ids,labels}` padded to one length, `index`."""
     pad_id = Tokenizer(Path(data_dir) / "tokenizer").pad_id
-    return Batches(load_split(data_dir, split), batch_size, _preference_collate(pad_id), seed=seed, rank=rank,
+    return Batches(load_split(data_dir, split), batch_size, preference_collate(pad_id), seed=seed, rank=rank,
                    world_size=world_size, shuffle=shuffle, loop=loop)
 
 
