@@ -90,7 +90,8 @@ def test_sum_reduction_and_unchunked_path():
     student, teacher, student_h, teacher_h, labels = setup(20)
     mean, _ = kd_loss(student_h, student, teacher_h, teacher, labels, kind="jsd", num_chunks=4)
     total, _ = kd_loss(
-        student_h, student, teacher_h, teacher, labels, kind="jsd", num_chunks=4, checkpoint_chunks=False, reduction="sum"
+        student_h, student, teacher_h, teacher, labels,
+        kind="jsd", num_chunks=4, checkpoint_chunks=False, reduction="sum",
     )
     assert rel_err(total / (labels != IGNORE_INDEX).sum(), mean) <= 1e-6
 
