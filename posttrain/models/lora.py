@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -39,15 +41,20 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-def _is_nf4(t: torch.Tensor) -> bool:
-    from torchao.quantization import NF4Tensor
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether `t` (or the local shard of a DTensor) is a torchao NF4 tensor.
 
-    return isinstance(t, NF4Tensor) or isinstance(getattr(t, "_local_tensor", None), NF4Tensor)
+    Without torchao imported no tensor can be NF4, so plain LoRA never pays torchao's import.
+    """
+    nf4 = sys.modules.get("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    if nf4 is None:
+        return False
+    return isinstance(t._local_tensor if isinstance(t, DTensor) else t, nf4.NF4Tensor)
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
     """A plain tensor of the weight's original dtype (NF4 weights are dequantized)."""
-    return weight.get_original_weight() if _is_nf4(weight) else weight
+    return weight.get_original_weight() if is_nf4(weight) else weight
 
 
 class LoRALinear(nn.Module):
@@ -85,7 +92,7 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_nf4(self.weight):
+        if is_nf4(self.weight):
             from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
             out = linear_nf4(x, self.weight)

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from posttrain.models.lora import LORA_KEYS, LoRALinear, lora_modules
+from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
 from posttrain.parallel.distributed import mesh_size
 
 COMPILE_MODES = (None, "blocks", "model")
@@ -176,10 +176,34 @@ def parallelize(
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh_size(mesh, "dp_replicate") > 1 else mesh["dp_shard"]
         mixed = bool(memory_cfg.get("mixed_precision", False)) and mesh.device_type == "cuda"
-        # Pure TP (no data-parallel peers) needs FSDP only for mixed precision.
-        if dp_mesh.size() > 1 or not uses_tensor_parallel(mesh) or mixed:
+        nf4 = _check_nf4_shardable(model, mesh_size(mesh, "dp_shard"))
+        if dp_mesh.size() > 1:
+            apply_fsdp(model, dp_mesh, mixed)
+        elif not nf4 and (mixed or not uses_tensor_parallel(mesh)):
+            # One data-parallel rank: FSDP2 still gives mixed precision and the DTensor code path.
+            # (torch 2.13's one-rank FSDP2 shortcut cannot gather NF4 weights: QLoRA runs unsharded.)
             apply_fsdp(model, dp_mesh, mixed)
     return model
+
+
+def _check_nf4_shardable(model: nn.Module, shards: int) -> bool:
+    """Whether the model holds NF4 (QLoRA) weights; refuse shard counts NF4's blocks cannot split into.
+
+    FSDP2 splits an NF4 weight by its quantization blocks: a weight of n elements has n / 16384
+    scaler groups (blocks of 64, scalers in blocks of 256), which must divide by the shard count.
+    """
+    found = False
+    for name, module in lora_modules(model):
+        if not is_nf4(module.weight):
+            continue
+        found = True
+        groups = module.weight.quantization_factor.numel()
+        if groups % shards:
+            raise ValueError(
+                f"QLoRA: {name}.weight has {groups} NF4 scaler groups, not divisible by the "
+                f"{shards} FSDP shards; use a shard count dividing {groups} or sft.method=lora"
+            )
+    return found
 
 
 def uses_tensor_parallel(mesh: DeviceMesh | None) -> bool:
