@@ -1,9 +1,11 @@
-"""Losses on hidden states: chunked cross-entropy, token log-probs, DPO/IPO/SimPO, GRPO, KD.
+"""Losses on hidden states: chunked cross-entropy, token log-probs, DPO/IPO/SimPO, GRPO, KD; and the
+Bradley-Terry loss on reward-model scores.
 
-All of them take the model's final hidden states and its output projection (``model.lm_head``)
+The hidden-state losses take the model's final hidden states and its output projection (``model.lm_head``)
 rather than logits, with labels aligned to the hidden states (see ``posttrain.losses.logprobs``).
 """
 
+from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy, num_loss_tokens
 from posttrain.losses.chunked import IGNORE_INDEX, map_row_chunks
 from posttrain.losses.dpo import dpo_loss, ipo_loss, preference_loss, simpo_loss
@@ -18,6 +20,7 @@ from posttrain.losses.logprobs import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "bradley_terry_loss",
     "dpo_loss",
     "full_cross_entropy",
     "group_advantages",

@@ -1,5 +1,13 @@
-"""Rewards for preference data and RL: rule-based verifiers and their scoring."""
+"""Rewards for preference data and RL: rule-based verifiers and their scoring, and a learned reward model."""
 
+from posttrain.rewards.reward_model import (
+    RewardModel,
+    load_reward_model,
+    pad_right,
+    save_reward_model,
+    score_sequences,
+    scored_lengths,
+)
 from posttrain.rewards.verifiers import (
     FINAL_ANSWER_MARKER,
     TASK_VERIFIERS,
@@ -21,6 +29,7 @@ from posttrain.rewards.verifiers import (
 
 __all__ = [
     "FINAL_ANSWER_MARKER",
+    "RewardModel",
     "TASK_VERIFIERS",
     "VERIFIERS",
     "Verifier",
@@ -31,9 +40,14 @@ __all__ = [
     "final_answer_text",
     "format_reward",
     "list_match",
+    "load_reward_model",
     "load_verifier",
     "load_verifiers",
     "number_match",
+    "pad_right",
+    "save_reward_model",
     "score",
+    "score_sequences",
+    "scored_lengths",
     "task_verifier",
 ]

@@ -1,0 +1,142 @@
+"""A scalar reward model: the policy's decoder with a linear `score` head in place of the LM head.
+
+The reward of a sequence is the head applied to the final hidden state of its last real token.
+Parameter names are those of Hugging Face's `<Family>ForSequenceClassification` (`model.*` and
+`score.weight`), and `save_reward_model` writes that layout (`num_labels: 1`, `pad_token_id`), so
+`transformers.AutoModelForSequenceClassification` and vLLM's reward pooling load the folder and
+read the same score at the same token (the rightmost non-pad one) when sequences are right-padded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.checkpoint import (
+    CheckpointError,
+    load_state_into,
+    read_hf_config,
+    read_safetensors,
+    resolve_model_source,
+    save_hf_model,
+    weight_files,
+)
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.models import Transformer
+
+SEQUENCE_CLASSIFICATION = {
+    "llama": "LlamaForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+}
+SCORE_KEY = "score.weight"
+
+
+class RewardModel(Transformer):
+    """`Transformer` without `lm_head`, plus `score: Linear(hidden, 1, bias=False)`."""
+
+    def __init__(self, hf_config: dict[str, Any]):
+        super().__init__(hf_config)
+        del self.lm_head
+        self.score = nn.Linear(self.args.hidden_size, 1, bias=False)
+        if not self.score.weight.is_meta:
+            nn.init.normal_(self.score.weight, mean=0.0, std=self.args.initializer_range)
+
+    def tie_weights(self) -> None:
+        """Nothing to tie: the reward model has no output projection over the vocabulary."""
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Rewards [B] of right-padded sequences `input_ids` [B, S] with `lengths` [B] real tokens each."""
+        if lengths.shape != input_ids.shape[:1]:
+            raise ValueError(f"lengths {tuple(lengths.shape)} must have one entry per row of input_ids {tuple(input_ids.shape)}")
+        if bool((lengths < 1).any()) or bool((lengths > input_ids.shape[1]).any()):
+            raise ValueError(f"every length must be in [1, {input_ids.shape[1]}], got {lengths.tolist()}")
+        hidden = super().forward(input_ids)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
+        return self.score(last).squeeze(-1).float()
+
+
+def scored_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the length up to and including the last trained token (labels aligned as in `posttrain.losses`).
+
+    `labels[t]` is the id trained at position t + 1, so a completion ending with its end-of-turn
+    token at position t + 1 scores there; template text after the turn (ChatML's newline) is cut
+    off, matching sampled rollouts, which end with that token.
+    """
+    trained = labels != IGNORE_INDEX
+    if not bool(trained.any(-1).all()):
+        raise ValueError("a preference row has no trained token; cannot find where its completion ends")
+    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+    return torch.where(trained, positions, -1).max(-1).values + 2
+
+
+def pad_right(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, longest] ids right-padded with `pad_id`, [N] lengths)."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("need at least one sequence and no empty sequence")
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+    return ids, lengths
+
+
+@torch.no_grad()
+def score_sequences(model: RewardModel, sequences: Sequence[Sequence[int]], pad_id: int, batch_size: int = 64) -> list[float]:
+    """Rewards of token-id sequences (prompt + completion), in batches of `batch_size`."""
+    device = next(model.parameters()).device
+    rewards: list[float] = []
+    for start in range(0, len(sequences), batch_size):
+        ids, lengths = pad_right(sequences[start : start + batch_size], pad_id)
+        rewards += model(ids.to(device), lengths.to(device)).tolist()
+    return rewards
+
+
+def load_reward_model(
+    source: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> RewardModel:
+    """A reward model from a folder written by `save_reward_model`, or a new one on a causal LM's decoder.
+
+    From a causal LM folder (no `score.weight`) the LM head is dropped and the score head is drawn
+    from torch's global RNG (seed it first for a reproducible start).
+    """
+    folder = resolve_model_source(source)
+    config = read_hf_config(folder)
+    tensors = read_safetensors(weight_files(folder))
+    is_reward_model = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    if is_reward_model and SCORE_KEY not in tensors:
+        raise CheckpointError(f"{folder}: config.json declares a sequence-classification model but has no {SCORE_KEY!r}")
+    if is_reward_model and int(config.get("num_labels", 1)) != 1:
+        raise CheckpointError(f"{folder}/config.json: num_labels is {config['num_labels']}; a reward model has 1")
+    config = {k: v for k, v in config.items() if k not in ("architectures", "num_labels", "id2label", "label2id")}
+    with torch.device("meta"):
+        try:
+            model = RewardModel(config)
+        except ValueError as e:
+            raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    model.to_empty(device=device)
+    model.init_weights(buffers_only=True)
+    state = {k: v for k, v in tensors.items() if k.startswith("model.") or k == SCORE_KEY}
+    if SCORE_KEY not in state:
+        state[SCORE_KEY] = torch.empty(1, model.args.hidden_size).normal_(0.0, model.args.initializer_range)
+    load_state_into(model, state, str(folder))
+    return model.to(dtype)
+
+
+def save_reward_model(model: RewardModel, out_dir: str | os.PathLike, pad_token_id: int, dtype: torch.dtype = torch.float32) -> None:
+    """Write the HF sequence-classification layout: config (`num_labels: 1`, `pad_token_id`) and safetensors."""
+    model_type = model.args.model_type
+    config = {
+        **model.hf_config,
+        "architectures": [SEQUENCE_CLASSIFICATION[model_type]],
+        "num_labels": 1,
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "pad_token_id": int(pad_token_id),
+    }
+    save_hf_model(model.state_dict(), config, Path(out_dir), dtype=dtype)
