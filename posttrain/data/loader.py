@@ -134,7 +134,8 @@ def preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Ba
     return collate
 
 
-def _collate_prompts(cols: dict[str, Any], index: np.ndarray) -> Batch:
+def prompt_collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
+    """Prompt rows (`prompt_ids`, `answer`, `task`, `example` columns) as a `prompt_batches` batch."""
     return {
         "prompt_ids": [ids.tolist() for ids in cols["prompt_ids"]],
         "answers": [str(a) for a in cols["answer"]],
@@ -170,5 +171,5 @@ def prompt_batches(
     shuffle: bool = True, loop: bool = True,
 ) -> Batches:
     """Prompts for generation: ragged `prompt_ids`, `answers`, `tasks`, `examples`, `index`."""
-    return Batches(load_split(data_dir, split), batch_size, _collate_prompts, seed=seed, rank=rank,
+    return Batches(load_split(data_dir, split), batch_size, prompt_collate, seed=seed, rank=rank,
                    world_size=world_size, shuffle=shuffle, loop=loop)
