@@ -1,0 +1,28 @@
+"""DPO pieces the stage composes: pair log-probs (chunked, data-parallel scoring passes) and the reference."""
+
+from posttrain.dpo.reference import (
+    OnlineReference,
+    PrecomputedReference,
+    fingerprint,
+    file_stats,
+    load_cache,
+    model_files,
+    reference_cache_path,
+    save_cache,
+)
+from posttrain.dpo.scoring import PairLogps, completion_logprobs, pair_logprobs, score_pairs
+
+__all__ = [
+    "OnlineReference",
+    "PairLogps",
+    "PrecomputedReference",
+    "completion_logprobs",
+    "file_stats",
+    "fingerprint",
+    "load_cache",
+    "model_files",
+    "pair_logprobs",
+    "reference_cache_path",
+    "save_cache",
+    "score_pairs",
+]

@@ -1,0 +1,115 @@
+"""The DPO reference model's log-probs: precomputed once and cached, or computed on the fly.
+
+- `precompute`: before training, one no-grad pass scores every training pair with the starting
+  (SFT) weights; the loop then looks each batch's rows up by index (`PrecomputedReference`), so
+  no reference model sits in memory while training. The values are cached in
+  `<out>.resume/reference_logps.safetensors` (next to the stage output, removed with the resume
+  state after success), so a resumed run does not score the split again.
+- `online`: the reference runs every step under no_grad (`OnlineReference`): a frozen copy of the
+  model for full fine-tuning or, with LoRA/QLoRA, the policy itself with its adapters disabled.
+
+The cache's metadata holds a fingerprint of what its values depend on (the stage key, the model's
+weight files, the pair data's files, the row counts); a file with another fingerprint is ignored
+and recomputed, never mixed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from posttrain.checkpoint import resolve_model_source
+from posttrain.dpo.scoring import pair_logprobs
+from posttrain.models import Transformer, is_preset
+from posttrain.models.lora import disable_adapters
+from posttrain.training.resume import resume_dir
+
+CACHE_NAME = "reference_logps.safetensors"
+_FINGERPRINT_KEY = "fingerprint"
+
+
+def reference_cache_path(out: str | os.PathLike) -> Path:
+    """Where the precomputed reference log-probs of the stage writing `out` are cached."""
+    return resume_dir(out) / CACHE_NAME
+
+
+def file_stats(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
+    """(path, size, modification time in ns) of each file: changes whenever a file is rewritten."""
+    stats = []
+    for path in sorted(Path(p) for p in paths):
+        st = path.stat()
+        stats.append((str(path.resolve()), st.st_size, st.st_mtime_ns))
+    return stats
+
+
+def model_files(source: str) -> list[tuple[str, int, int]] | str:
+    """What identifies a model source's weights: its folder's config and safetensors files, or a preset's name."""
+    if is_preset(source):
+        return f"preset:{source}"
+    folder = resolve_model_source(source)
+    return file_stats([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")])
+
+
+def fingerprint(**parts: Any) -> str:
+    """A short hash of JSON-serializable parts (stage key, file stats, counts)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load_cache(path: Path, expected: str) -> dict[str, Tensor] | None:
+    """The cached tensors, or None when there is no cache or it belongs to other inputs."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        found = (f.metadata() or {}).get(_FINGERPRINT_KEY)
+        if found != expected:
+            print(f"{path}: reference log-probs were computed for other inputs ({found} != {expected}); recomputing",
+                  flush=True)
+            return None
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def save_cache(path: Path, tensors: Mapping[str, Tensor], expected: str) -> None:
+    """Write the cache atomically (temporary file, then rename): a killed write leaves no cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={_FINGERPRINT_KEY: expected})
+    os.replace(tmp, path)
+
+
+class PrecomputedReference:
+    """Reference log-probs looked up by a batch's row `index` in the precomputed table."""
+
+    def __init__(self, chosen: Tensor, rejected: Tensor):
+        self.chosen, self.rejected = chosen, rejected
+
+    def __call__(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        index = batch["index"].cpu()
+        device = batch["chosen_input_ids"].device
+        return self.chosen[index].to(device), self.rejected[index].to(device)
+
+
+class OnlineReference:
+    """Reference log-probs computed for each batch under no_grad.
+
+    `model` is a frozen copy (full fine-tuning) or the policy itself: its LoRA adapters are
+    disabled for the reference forward, which then runs the frozen base weights.
+    """
+
+    def __init__(self, model: Transformer, mesh: DeviceMesh | None, memory: Mapping[str, Any]):
+        self.model, self.mesh, self.memory = model, mesh, memory
+
+    @torch.no_grad()
+    def __call__(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        with disable_adapters(self.model):
+            out = pair_logprobs(self.model, batch, self.mesh, self.memory)
+        return out.chosen, out.rejected

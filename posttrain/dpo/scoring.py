@@ -1,0 +1,122 @@
+"""Sequence log-probs of preference pairs, for training steps and for whole-split scoring passes.
+
+A pair's chosen and rejected rows go through the model as one ``[2b, L]`` batch (one forward,
+one FSDP all-gather per block); the completion tokens are scored chunk by chunk
+(`posttrain.losses.sequence_logprobs`), so the full-vocabulary logits of chosen and rejected are
+never held at once. Under tensor parallelism (or with `memory.chunked_ce` off) the logits are
+projected whole and scored by `F.cross_entropy`, which works on vocabulary-sharded DTensor logits
+inside `posttrain.parallel.loss_context`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from tqdm.auto import tqdm
+
+from posttrain.losses import IGNORE_INDEX, sequence_logprobs
+from posttrain.models import Transformer
+from posttrain.parallel import data_parallel_rank, loss_context, uses_tensor_parallel
+from posttrain.training.stats import local_value
+
+Collate = Callable[[dict[str, Any], np.ndarray], dict[str, Any]]
+
+
+@dataclass
+class PairLogps:
+    """Summed completion log-probs (float32) and completion token counts of ``b`` pairs, ``[b]`` each."""
+
+    chosen: Tensor
+    rejected: Tensor
+    chosen_tokens: Tensor
+    rejected_tokens: Tensor
+
+
+def completion_logprobs(
+    model: Transformer, input_ids: Tensor, labels: Tensor, mesh: DeviceMesh | None, memory: Mapping[str, Any]
+) -> tuple[Tensor, Tensor]:
+    """Summed log-prob ``[B]`` of each row's labelled tokens and their count ``[B]``.
+
+    Rows are right-padded, so causal attention alone keeps padding out of the real tokens.
+    Call inside `loss_context(mesh)` (and run `backward` there too) when tensor parallelism is on.
+    """
+    hidden = model(input_ids)
+    if uses_tensor_parallel(mesh) or not memory.get("chunked_ce", True):
+        logits = model.lm_head(hidden)
+        token_logps = -F.cross_entropy(
+            logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        return local_value(token_logps).view(labels.shape).sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    return sequence_logprobs(hidden, model.lm_head, labels, num_chunks=int(memory.get("ce_chunks", 8)))
+
+
+def pair_logprobs(
+    model: Transformer, batch: Mapping[str, Tensor], mesh: DeviceMesh | None, memory: Mapping[str, Any]
+) -> PairLogps:
+    """Policy (or reference) log-probs of a preference batch's chosen and rejected completions."""
+    n = batch["chosen_input_ids"].shape[0]
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    sums, counts = completion_logprobs(model, ids, labels, mesh, memory)
+    return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
+
+
+def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def score_pairs(
+    model: Transformer,
+    dataset: Any,
+    collate: Collate,
+    rows_per_rank: int,
+    mesh: DeviceMesh | None,
+    memory: Mapping[str, Any],
+    device: torch.device,
+    desc: str,
+    show_progress: bool = True,
+) -> PairLogps:
+    """Log-probs of every pair of `dataset` (a numpy-formatted `datasets.Dataset`), in row order, on CPU.
+
+    Data-parallel ranks score disjoint slices of `rows_per_rank` rows and the results are summed
+    over all processes, so every rank gets all rows. Each rank runs the same number of forwards
+    (a short last slice is padded with row 0, whose result is discarded): FSDP2 needs every rank
+    in every all-gather. Tensor-parallel peers score the same rows; the sum is divided by the
+    number of processes that scored each row. `collate` is the preference collate of
+    `posttrain.data.loader` (`Batches.collate`). Call with every rank.
+    """
+    n = len(dataset)
+    rank, size = data_parallel_rank(mesh)
+    totals = torch.zeros(n, 4, dtype=torch.float64)  # chosen, rejected, chosen tokens, rejected tokens
+    seen = torch.zeros(n, dtype=torch.float64)
+    per_pass = rows_per_rank * size
+    was_training = model.training
+    model.eval()
+    for start in tqdm(range(0, n, per_pass), desc=desc, unit="batch", disable=not show_progress, mininterval=1.0):
+        index = np.arange(start + rank * rows_per_rank, start + (rank + 1) * rows_per_rank)
+        real = index[index < n]
+        index = np.where(index < n, index, 0)
+        with loss_context(mesh):
+            out = pair_logprobs(model, _to_device(collate(dataset[index], index), device), mesh, memory)
+        k = len(real)
+        if k:
+            values = torch.stack([out.chosen, out.rejected, out.chosen_tokens.to(out.chosen.dtype),
+                                  out.rejected_tokens.to(out.chosen.dtype)], dim=1)
+            totals[torch.from_numpy(real)] += values[:k].double().cpu()
+            seen[torch.from_numpy(real)] += 1
+    model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        packed = torch.cat([totals, seen[:, None]], dim=1).to(device)
+        dist.all_reduce(packed)
+        totals, seen = packed[:, :4].cpu(), packed[:, 4].cpu()
+    totals /= seen.clamp(min=1)[:, None]
+    return PairLogps(totals[:, 0].float(), totals[:, 1].float(), totals[:, 2].round().long(), totals[:, 3].round().long())
