@@ -147,3 +147,24 @@ def test_bad_targets_are_refused():
         apply_lora(make_model(), rank=4, alpha=8, targets=("lm_head",))
     with torch.device("meta"), pytest.raises(ValueError, match="QLoRA"):
         apply_lora(Transformer(TINY), rank=4, alpha=8, targets=("q_proj",), quantize_base=True)
+
+
+def test_peft_loads_the_exported_adapter(tmp_path, tokens):
+    """The export loads with `peft.PeftModel` on a transformers Qwen3 and gives our logits and merge."""
+    peft = pytest.importorskip("peft", reason="peft is a benchmark extra, absent from the runtime environment")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, max_position_embeddings=64)).eval()
+    ours = Transformer(TINY)
+    load_full_state_dict(ours, hf.state_dict())
+    apply_lora(ours, rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
+    randomize_adapters(ours)
+    save_peft_adapter(ours, tmp_path)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path)).eval()
+    x, _ = tokens
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(x).logits, ours.logits(ours(x)), rtol=1e-4, atol=1e-4)
+        peft_merged = peft_model.merge_and_unload().state_dict()
+    for name, weight in merged_state_dict(ours).items():
+        if name in peft_merged:
+            torch.testing.assert_close(peft_merged[name], weight, rtol=1e-5, atol=1e-6, msg=name)

@@ -99,7 +99,9 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 model = Transformer(TINY)
             parallelize(model, mesh, memory_cfg, parallel_cfg)
             materialize(model, info.device, init=False)
-            load_full_state_dict(model, reference_weights() if info.is_main else {}, broadcast_from_rank0=True)
+            full = reference_weights() if info.is_main else {}
+            load_full_state_dict(model, full, broadcast_from_rank0=True)
+            assert all(type(v) is torch.Tensor for v in full.values())  # the caller's dict is left alone
         opt = build_optimizer(model, LR, 0.0, memory_cfg, foreach=False)
         sched = build_lr_scheduler(opt, 2, STEPS, 0.1)
         dp_rank, dp_size = data_parallel_rank(mesh)

@@ -274,7 +274,8 @@ def load_full_state_dict(
         model.tie_weights()
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=False)
-    set_model_state_dict(model, state_dict, options=options)
+    # set_model_state_dict replaces the dict's entries by the loaded shards: keep the caller's intact.
+    set_model_state_dict(model, dict(state_dict), options=options)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
