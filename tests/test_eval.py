@@ -55,7 +55,7 @@ def test_task_metrics_on_a_controlled_table():
     assert m["reward"] == 1.5 and m["reward_by_verifier"] == {"task": 0.5, "format": 1.0}
     assert m["response_len"] == 5.0 and m["truncated"] == 0.5
     assert m["per_task"]["a"]["accuracy"] == 0.5 and m["per_task"]["b"]["pass@1"] == 2 / 8
-    with pytest.raises(ValueError, match="eval.pass_k"):
+    with pytest.raises(ValueError, match="k <= n"):
         task_metrics(results, [5], samples=4)
 
 
