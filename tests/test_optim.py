@@ -66,28 +66,28 @@ def test_optimizer_in_backward_is_bitwise_equal_to_adamw():
 
 
 def test_optimizer_in_backward_state_dict_resumes_exactly():
-    data = batches(6)
+    data = batches(4)
     straight = make_model()
     opt = build_optimizer(straight, 1e-2, 0.0, {"optimizer_in_backward": True}, foreach=False)
-    train(straight, opt, build_lr_scheduler(opt, 2, 6, 0.1), data)
+    train(straight, opt, build_lr_scheduler(opt, 1, 4, 0.1), data)
 
     first = make_model()
     opt1 = build_optimizer(first, 1e-2, 0.0, {"optimizer_in_backward": True}, foreach=False)
-    sched1 = build_lr_scheduler(opt1, 2, 6, 0.1)
-    train(first, opt1, sched1, data[:3])
+    sched1 = build_lr_scheduler(opt1, 1, 4, 0.1)
+    train(first, opt1, sched1, data[:2])
     saved_wrapper, saved_dcp = copy.deepcopy(opt1.state_dict()), copy.deepcopy(optimizer_state_dict(first, opt1))
     assert "model.layers.0.mlp.up_proj.weight" in saved_wrapper["per_param"]
 
     for load in ("wrapper", "dcp"):
         resumed = copy.deepcopy(first)  # same weights, fresh optimizer
         opt2 = build_optimizer(resumed, 1e-2, 0.0, {"optimizer_in_backward": True}, foreach=False)
-        sched2 = build_lr_scheduler(opt2, 2, 6, 0.1)
+        sched2 = build_lr_scheduler(opt2, 1, 4, 0.1)
         if load == "wrapper":
             opt2.load_state_dict(copy.deepcopy(saved_wrapper))
         else:
             load_optimizer_state_dict(resumed, opt2, copy.deepcopy(saved_dcp))
         sched2.load_state_dict(sched1.state_dict())
-        train(resumed, opt2, sched2, data[3:])
+        train(resumed, opt2, sched2, data[2:])
         for p, q in zip(straight.parameters(), resumed.parameters()):
             assert torch.equal(p, q), load
 
