@@ -40,6 +40,15 @@ def _adamw_factory(lr: float, weight_decay: float, low_bit: str | None, foreach:
     return lambda params: cls(params, lr=lr, weight_decay=weight_decay)
 
 
+def _set_lr(opt: Optimizer, lr: float) -> None:
+    """torchao's low-bit AdamW keeps lr as a tensor and refuses a float in its place."""
+    group = opt.param_groups[0]
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
 class OptimizerInBackward(Optimizer):
     """One optimizer per parameter, stepped by `register_post_accumulate_grad_hook`.
 
@@ -62,7 +71,7 @@ class OptimizerInBackward(Optimizer):
         group = self.param_groups[0]
 
         def hook(param: torch.Tensor) -> None:
-            opt.param_groups[0]["lr"] = group["lr"]
+            _set_lr(opt, group["lr"])
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -96,7 +105,7 @@ class OptimizerInBackward(Optimizer):
     def sync_lr(self) -> None:
         """Push the scheduler's current lr into every per-parameter optimizer (before saving them)."""
         for opt in self.optimizers:
-            opt.param_groups[0]["lr"] = self.param_groups[0]["lr"]
+            _set_lr(opt, self.param_groups[0]["lr"])
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -169,4 +178,4 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict
     set_optimizer_state_dict(model, optimizers, state_dict, options=StateDictOptions(ignore_frozen_params=True))
     if isinstance(optimizer, OptimizerInBackward):
         # The hooks copy the wrapper's lr into each optimizer: restore it from the loaded state.
-        optimizer.param_groups[0]["lr"] = optimizer.optimizers[0].param_groups[0]["lr"]
+        optimizer.param_groups[0]["lr"] = float(optimizer.optimizers[0].param_groups[0]["lr"])
