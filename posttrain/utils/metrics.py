@@ -34,6 +34,15 @@ def truncate_after(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def first_value(path: Path, key: str) -> float:
+    """The first record's `key` in a metrics file (a resumed run's pre-training evaluation); NaN if absent."""
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if key in record:
+            return float(record[key])
+    return float("nan")
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory so far: allocated CUDA memory on GPU (reset each step), peak RSS on CPU (monotonic)."""
     if device.type == "cuda":
