@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from posttrain.workflow import config as wfconfig
 from posttrain.workflow.ablations import parse_cell, read_ablations
 from posttrain.workflow.config import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
 from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources, spec_from_resources
@@ -150,6 +149,12 @@ def test_default_table_plans():
     plan = build_plan(BASE)
     assert list(plan.variants) == ["default", "distill_rkl"]
     assert plan.variants["distill_rkl"].overrides == {"distill.loss": "reverse_kl"}
+
+
+def test_example_sweep_table_shares_the_prefix():
+    plan = build_plan(cfg_with(ablations=str(REPO / "config/examples/ablations-grpo.tsv")))
+    assert list(plan.variants) == ["g4", "g8", "g16"]
+    assert len(plan.jobs["dpo"]) == 1 and len(plan.jobs["reward"]) == 1 and len(plan.jobs["grpo"]) == 3
 
 
 def test_cells_are_parsed_to_schema_types(tmp_path):
@@ -319,7 +324,9 @@ def test_results_root_is_configurable():
 
 def test_report_config_lists_every_variant(tmp_path):
     plan = build_plan(grpo_sweep(tmp_path))
-    report = plan.configs()["report"]
+    report = plan.report_config()
+    assert plan.configs()[f"report.{report['key']}"] == report
+    assert plan.report_config_path == f"results/report.{report['key']}.config.json"
     assert report["stage"] == "report" and list(report["variants"]) == ["g4", "g8", "g16"]
     manifest = report["variants"]["g8"]
     assert manifest["overrides"] == {"grpo.group_size": 8}

@@ -5,25 +5,33 @@ import os
 
 from snakemake.utils import min_version, validate
 
-from posttrain.workflow.config import validate_config
+from posttrain.workflow.config import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
 from posttrain.workflow.views import write_plan_configs
 
 min_version("9.0")
 
+REPO = os.path.abspath(workflow.basedir)
+SCHEMAS = os.path.join(REPO, "workflow", "schemas")
+
 # Every key, type and allowed value is checked before any job is planned; a problem stops here
 # with a message naming the key. Defaults from the schema fill what the config leaves out.
-config.update(validate_config(config, where="config (config/config.yaml + --configfile/--config)"))
+config.update(
+    validate_config(
+        config,
+        where="config (config/config.yaml + --configfile/--config)",
+        schema=load_schema(os.path.join(SCHEMAS, "config.schema.yaml")),
+    )
+)
 validate(config, "schemas/config.schema.yaml")
 
-PLAN = build_plan(config)  # reads the ablation table; names the row and column of a bad cell
+PLAN = build_plan(config, schema_dir=SCHEMAS)  # names the line and column of a bad table cell
 RESULTS = PLAN.results
 # Each planned output's RESOLVED.json (<results>/<stage dir>/<key>.config.json) and the report's
-# (<results>/report.config.json): pure functions of the plan, written now (only where the content
-# differs) so that every stage rule finds its config as a plain input file.
+# (<results>/report.<key>.config.json): pure functions of the plan, named by their key, written
+# now (only when missing or different) so that every stage rule finds its config as an input file.
 write_plan_configs(RESULTS, PLAN.configs())
-REPO = os.path.abspath(workflow.basedir)
 
 
 wildcard_constraints:

@@ -22,7 +22,7 @@ import jsonschema
 import yaml
 
 from posttrain.workflow.config import (
-    ABLATIONS_SCHEMA,
+    SCHEMA_DIR,
     ConfigError,
     Problem,
     load_schema,
@@ -49,10 +49,13 @@ class Variant:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def load_variants(cfg: Mapping[str, Any], schema: Mapping[str, Any] | None = None) -> dict[str, Variant]:
-    """The variants of a validated config: its `ablations` table, or one `default` variant."""
+def load_variants(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR) -> dict[str, Variant]:
+    """The variants of a validated config: its `ablations` table, or one `default` variant.
+
+    `schema_dir` holds config.schema.yaml and ablations.schema.yaml (the workflow's own).
+    """
     path = cfg.get("ablations")
-    variants = read_ablations(path, cfg, schema) if path else {}
+    variants = read_ablations(path, cfg, schema_dir) if path else {}
     return variants or {DEFAULT_VARIANT: Variant(DEFAULT_VARIANT, copy.deepcopy(dict(cfg)))}
 
 
@@ -101,8 +104,7 @@ def _lines(path: Path) -> list[tuple[int, list[str]]]:
     ]
 
 
-def _header_problems(columns: list[str], schema: Mapping[str, Any]) -> list[Problem]:
-    row_schema = load_schema(ABLATIONS_SCHEMA)
+def _header_problems(columns: list[str], schema: Mapping[str, Any], row_schema: Mapping[str, Any]) -> list[Problem]:
     problems = []
     if not columns or columns[0] != VARIANT_COLUMN:
         problems.append(Problem("line 1" if not columns else "column 1", f"the first column must be {VARIANT_COLUMN!r}"))
@@ -123,21 +125,23 @@ def _header_problems(columns: list[str], schema: Mapping[str, Any]) -> list[Prob
     return problems
 
 
-def read_ablations(path: str | Path, base: Mapping[str, Any], schema: Mapping[str, Any] | None = None) -> dict[str, Variant]:
+def read_ablations(path: str | Path, base: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR) -> dict[str, Variant]:
     """Variants of the table at `path` over the validated `base` config, in table order.
 
     A table with only a header yields no variants. Raises ConfigError listing every bad cell.
     """
     path = Path(path)
+    schema = load_schema(Path(schema_dir) / "config.schema.yaml")
+    row_schema_doc = load_schema(Path(schema_dir) / "ablations.schema.yaml")
     rows = _lines(path)
     if not rows:
         return {}
     (header_line, columns), body = rows[0], rows[1:]
-    problems = _header_problems(columns, schema)
+    problems = _header_problems(columns, schema, row_schema_doc)
     if problems:
         raise ConfigError(f"{path} line {header_line}", problems)
 
-    row_schema = jsonschema.Draft202012Validator(load_schema(ABLATIONS_SCHEMA))
+    row_schema = jsonschema.Draft202012Validator(row_schema_doc)
     variants: dict[str, Variant] = {}
     first_line: dict[str, int] = {}
     for line, cells in body:
@@ -171,7 +175,8 @@ def read_ablations(path: str | Path, base: Mapping[str, Any], schema: Mapping[st
                 continue
             set_dotted(cfg, column, overrides[column])
         try:
-            variants[name] = Variant(name, validate_config(cfg, where, schema), overrides)
+            only = {column.split(".")[0] for column in overrides}
+            variants[name] = Variant(name, validate_config(cfg, where, schema, only=only), overrides)
         except ConfigError as err:
             problems.extend(_blame_columns(err.problems, overrides, where))
     if problems:

@@ -24,7 +24,6 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = REPO_ROOT / "workflow" / "schemas"
 CONFIG_SCHEMA = SCHEMA_DIR / "config.schema.yaml"
-ABLATIONS_SCHEMA = SCHEMA_DIR / "ablations.schema.yaml"
 DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
 
 
@@ -173,9 +172,9 @@ def _show(value: Any) -> str:
 _BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
 
 
-def _problems(error: jsonschema.ValidationError) -> list[Problem]:
-    """Readable problems for one jsonschema error."""
-    path = list(error.absolute_path)
+def _problems(error: jsonschema.ValidationError, prefix: Sequence[str | int] = ()) -> list[Problem]:
+    """Readable problems for one jsonschema error (`prefix`: the path of the validated instance)."""
+    path = [*prefix, *error.absolute_path]
     key = dotted(path)
     kind, expected, value = error.validator, error.validator_value, error.instance
     if kind == "additionalProperties" and isinstance(value, Mapping):
@@ -203,19 +202,24 @@ def _problems(error: jsonschema.ValidationError) -> list[Problem]:
     return [Problem(key, error.message)]
 
 
-def _defaulting_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
-    """A 2020-12 validator that fills each missing property that has a `default` (deep-copied)."""
-    base = jsonschema.Draft202012Validator
-    check_properties = base.VALIDATORS["properties"]
+def _fill_defaults(validator, props, instance, subschema):
+    """The `properties` keyword, first setting each missing property that has a `default` (a copy)."""
+    if validator.is_type(instance, "object"):
+        for name, sub in props.items():
+            if name not in instance and isinstance(sub, Mapping) and "default" in sub:
+                instance[name] = copy.deepcopy(sub["default"])
+    yield from jsonschema.Draft202012Validator.VALIDATORS["properties"](validator, props, instance, subschema)
 
-    def properties(validator, props, instance, subschema):
-        if validator.is_type(instance, "object"):
-            for name, sub in props.items():
-                if name not in instance and isinstance(sub, Mapping) and "default" in sub:
-                    instance[name] = copy.deepcopy(sub["default"])
-        yield from check_properties(validator, props, instance, subschema)
 
-    return jsonschema.validators.extend(base, {"properties": properties})(schema)
+_DefaultingValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"properties": _fill_defaults})
+_validators: dict[int, tuple[Mapping[str, Any], Any]] = {}
+
+
+def _validator(root: Mapping[str, Any]):
+    """A 2020-12 validator of `root` that fills defaults (one per schema object)."""
+    if id(root) not in _validators:
+        _validators[id(root)] = (root, _DefaultingValidator(root))  # keeps root alive, so the id stays unique
+    return _validators[id(root)][1]
 
 
 def _normalize_numbers(value: Any, node: Mapping[str, Any], root: Mapping[str, Any]) -> Any:
@@ -262,20 +266,34 @@ def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
-def validate_config(cfg: Mapping[str, Any], where: str = "config", schema: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def validate_config(
+    cfg: Mapping[str, Any],
+    where: str = "config",
+    schema: Mapping[str, Any] | None = None,
+    only: Iterable[str] | None = None,
+) -> dict[str, Any]:
     """A checked copy of `cfg` with defaults filled and numbers normalized; raises ConfigError.
 
-    `where` names the source in the message (a file, or `ablations.tsv line 3`).
+    `where` names the source in the message (a file, or `ablations.tsv line 3`). `only` limits the
+    schema check to these top-level keys, for a config known valid elsewhere (an ablation variant:
+    its base passed, only the overridden sections can break); cross-key rules always run.
     """
     root = schema if schema is not None else load_schema()
     out = copy.deepcopy(dict(cfg))
-    errors = _defaulting_validator(root).iter_errors(out)
-    problems = sorted((p for error in errors for p in _problems(error)), key=lambda p: p.key)
-    if not problems:
-        problems = _semantic_problems(out)
+    validator = _validator(root)
+    if only is None:
+        problems = [p for error in validator.iter_errors(out) for p in _problems(error)]
+        out = _normalize_numbers(out, root, root)
+    else:
+        problems = []
+        for section in sorted(set(only)):
+            node = root["properties"][section]
+            problems += [p for error in validator.evolve(schema=node).iter_errors(out[section]) for p in _problems(error, [section])]
+            out[section] = _normalize_numbers(out[section], node, root)
+    problems = sorted(problems, key=lambda p: p.key) or _semantic_problems(out)
     if problems:
         raise ConfigError(where, problems)
-    return _normalize_numbers(out, root, root)
+    return out
 
 
 def load_config(*paths: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

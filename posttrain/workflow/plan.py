@@ -17,10 +17,11 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from posttrain.workflow.ablations import Variant, load_variants
-from posttrain.workflow.config import get_dotted, set_dotted
+from posttrain.workflow.config import SCHEMA_DIR, get_dotted, set_dotted
 
 KEY_VERSION = 1  # bump when the key recipe changes, so old outputs are not reused by mistake
 KEY_LENGTH = 12
@@ -177,10 +178,19 @@ class Plan:
         return plan
 
     def configs(self) -> dict[str, dict[str, Any]]:
-        """Config file path (without `.config.json`, relative to results) -> its JSON content."""
+        """Config file (path relative to results, without `.config.json`) -> its JSON content.
+
+        The report's file is named by its key, like every other: two invocations with different
+        ablation tables never overwrite each other's report config.
+        """
         out = {f"{STAGE_DIRS[job.stage]}/{job.key}": job.resolved for jobs in self.jobs.values() for job in jobs.values()}
-        out["report"] = self.report_config()
+        report = self.report_config()
+        out[f"report.{report['key']}"] = report
         return out
+
+    @property
+    def report_config_path(self) -> str:
+        return f"{self.results}/report.{self.report_config()['key']}.config.json"
 
     def eval_paths(self) -> list[str]:
         return sorted(job.path for job in self.jobs.get("evaluate", {}).values())
@@ -191,9 +201,9 @@ class Plan:
         return {"stage": "report", "key": stage_key("report", variants, {}), "upstream": {}, "variants": variants}
 
 
-def build_plan(cfg: Mapping[str, Any]) -> Plan:
-    """The plan of a validated config and its ablation table."""
+def build_plan(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR) -> Plan:
+    """The plan of a validated config and its ablation table (checked against `schema_dir`'s schemas)."""
     plan = Plan(results=cfg["results"].rstrip("/"))
-    for variant in load_variants(cfg).values():
+    for variant in load_variants(cfg, schema_dir).values():
         plan.add_variant(variant)
     return plan

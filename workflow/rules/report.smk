@@ -3,7 +3,7 @@
 rule report:
     input:
         script=script("report"),
-        config=f"{RESULTS}/report.config.json",
+        config=PLAN.report_config_path,
         evals=PLAN.eval_paths(),
     output:
         directory(f"{RESULTS}/report"),
