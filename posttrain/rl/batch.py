@@ -1,0 +1,70 @@
+"""Rollout groups -> padded training tensors, cut into micro-batches.
+
+Each completion becomes one right-padded row `prompt + completion`, with targets aligned to the
+hidden states as every loss in `posttrain.losses` expects: position t predicts `targets[t]`, and
+only completion tokens count (prompt and padding are -100). The generator's log-probs sit at the
+same positions, so the trainer's token log-probs, the generator's and the mask line up one to one.
+Right padding needs no attention mask: causal attention keeps padding out of real tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posttrain.losses import IGNORE_INDEX, group_advantages
+from posttrain.rl.rollout import RolloutGroup
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [b, L] prompt + completion, right-padded
+    targets: Tensor  # [b, L] next completion token, IGNORE_INDEX elsewhere
+    generator_logprobs: Tensor  # [b, L] float32, 0 where targets are ignored
+    advantages: Tensor  # [b]
+
+    @property
+    def mask(self) -> Tensor:
+        return self.targets != IGNORE_INDEX
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(*(t.to(device, non_blocking=True) for t in
+                            (self.input_ids, self.targets, self.generator_logprobs, self.advantages)))
+
+
+def advantages(groups: Sequence[RolloutGroup], std_normalize: bool) -> Tensor:
+    """Group-relative advantages of every completion, group after group (float32)."""
+    sizes = {g.group_size for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"rollout groups have different sizes {sorted(sizes)}; advantages need one group size")
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    return group_advantages(rewards, sizes.pop(), std_normalize=std_normalize)
+
+
+def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, pad_id: int) -> list[MicroBatch]:
+    """Rows of `size` completions each (the last may be shorter), each padded to its own longest row."""
+    if size < 1:
+        raise ValueError(f"grpo.micro_batch_size must be >= 1, got {size}")
+    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs)]
+    if len(rows) != advantage.numel():
+        raise ValueError(f"{len(rows)} completions but {advantage.numel()} advantages")
+    out = []
+    for start in range(0, len(rows), size):
+        part = rows[start : start + size]
+        length = max(len(p) + len(c) for p, c, _ in part)
+        ids = torch.full((len(part), length), pad_id, dtype=torch.long)
+        targets = torch.full((len(part), length), IGNORE_INDEX, dtype=torch.long)
+        gen = torch.zeros(len(part), length, dtype=torch.float32)
+        for i, (prompt, completion, logprobs) in enumerate(part):
+            if len(logprobs) != len(completion):
+                raise ValueError(f"completion {start + i} has {len(completion)} tokens but {len(logprobs)} log-probs")
+            n, m = len(prompt), len(completion)
+            ids[i, : n + m] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
+            # Position n - 1 (the last prompt token) predicts the first completion token.
+            targets[i, n - 1 : n + m - 1] = torch.tensor(completion, dtype=torch.long)
+            gen[i, n - 1 : n + m - 1] = torch.tensor(logprobs, dtype=torch.float32)
+        out.append(MicroBatch(ids, targets, gen, advantage[start : start + size].clone()))
+    return out

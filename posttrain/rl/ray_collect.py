@@ -1,0 +1,188 @@
+"""Async GRPO with Ray: generator actors fill a bounded-staleness buffer while the trainer trains.
+
+    trainer (stage process)                     generator actors (one process each)
+      feed -> dispatch work (ticket, prompts) ->  RolloutWorker.collect: sample + score,
+      buffer <- StepRollouts(version, groups) <-  tagged with the version they hold
+      train step -> version v + 1
+      ray.put(weights) -> update_weights(ref, v + 1) -> every actor, checked: exactly one version up
+
+Work goes out only while the buffer (`posttrain.rl.buffer`) has a free slot; its capacity,
+`max_staleness + 1` step batches, is how far generation runs ahead of training. An actor runs
+its calls one at a time in the order the trainer made them, so work dispatched after the push of
+version v is sampled with version v exactly: the rollouts trained at step t come from version
+max(0, t - 1 - max_staleness) and the version sequence depends only on the config, not on
+timing. Batches are handed to the trainer in dispatch order (`StalenessBuffer.take`).
+
+Ray is an optional extra (`pip install posttrain[ray]`). A local cluster binds 127.0.0.1
+(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set before ray is imported) and runs without an auth
+token; `address` joins an existing cluster instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from posttrain.generation.backend import Weights
+from posttrain.rl.buffer import StalenessBuffer, StepRollouts
+from posttrain.rl.collect import PromptFeed
+from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
+
+RAY_INSTALL_HINT = "grpo.mode: async needs Ray: `pip install posttrain[ray]` (ray==2.60.0), or set grpo.mode: sync"
+# Read by ray at import and start: a local cluster on loopback only, no auth token file.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def import_ray(local: bool = True) -> Any:
+    """The `ray` module, with the loopback settings of a local cluster applied first; a clear error when missing."""
+    if local:
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"{RAY_INSTALL_HINT} ({e})") from e
+    return ray
+
+
+def start_ray(address: str | None, num_cpus: int, attempts: int = 3) -> Any:
+    """Join the cluster at `address`, or start a local one with `num_cpus` CPUs; returns the `ray` module.
+
+    Ray gives its local node 30 s to start (not configurable); on an overloaded machine that can
+    pass, so a local start is tried `attempts` times.
+    """
+    ray = import_ray(local=address is None)
+    if ray.is_initialized():
+        return ray
+    if address is not None:
+        ray.init(address=address, include_dashboard=False)
+        return ray
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            return ray
+        except Exception as e:  # ray raises a bare Exception for a node that did not start in time
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            ray.shutdown()
+            print(f"ray: local node did not start in time (attempt {attempt} of {attempts}); retrying", flush=True)
+    return ray
+
+
+class GeneratorActor:
+    """A `RolloutWorker` in its own process (made a Ray actor by `RayCollector`)."""
+
+    def __init__(self, spec: WorkerSpec, threads: int):
+        torch.set_num_threads(threads)
+        self.worker = build_worker(spec)
+        self.applied: list[int] = []  # every version loaded, in order (for checks and logs)
+
+    def start_at(self, weights: Weights, version: int) -> int:
+        self.applied.append(self.worker.start_at(weights, version))
+        return version
+
+    def update_weights(self, weights: Weights, version: int) -> int:
+        self.applied.append(self.worker.update_weights(weights, version))
+        return version
+
+    def collect(self, ticket: int, prompts: PromptBatch, seed: int) -> StepRollouts:
+        t0 = time.perf_counter()
+        groups = self.worker.collect(prompts, seed)
+        return StepRollouts(ticket=ticket, version=self.worker.version, payload=groups,
+                            generate_s=time.perf_counter() - t0)
+
+    def versions(self) -> list[int]:
+        return list(self.applied)
+
+
+class RayCollector:
+    """Generator actors, the staleness buffer and in-order weight sync, behind `next` / `push_weights`."""
+
+    def __init__(self, ray: Any, spec: WorkerSpec, feed: PromptFeed, *, num_generators: int, max_staleness: int,
+                 threads_per_generator: int = 1, gpus_per_generator: float = 0.0):
+        if num_generators < 1:
+            raise ValueError(f"grpo.generators must be >= 1, got {num_generators}")
+        self.ray, self.feed = ray, feed
+        actor_cls = ray.remote(GeneratorActor)
+        options = {"num_cpus": threads_per_generator, "num_gpus": gpus_per_generator}
+        self.actors = [actor_cls.options(**options).remote(spec, threads_per_generator) for _ in range(num_generators)]
+        self.buffer = StalenessBuffer(capacity=max_staleness + 1, max_staleness=max_staleness)
+        self.pending: dict[Any, int] = {}  # result ref -> actor index
+        self.load = [0] * num_generators  # outstanding work per actor
+        self.acks: list[Any] = []  # refs of weight updates not yet confirmed
+
+    def wait_ready(self) -> float:
+        """Block until every actor has built its generator; returns the seconds waited."""
+        t0 = time.perf_counter()
+        self.ray.get([a.versions.remote() for a in self.actors])
+        return time.perf_counter() - t0
+
+    def start_at(self, weights: Weights, version: int) -> None:
+        """Give every actor the trainer's weights as `version` (a resumed run), before any work."""
+        ref = self.ray.put(weights)
+        self.ray.get([a.start_at.remote(ref, version) for a in self.actors])
+
+    def _dispatch(self) -> None:
+        while self.buffer.free_slots() > 0:
+            item = self.feed.next()
+            self.buffer.reserve(item.step)
+            i = min(range(len(self.actors)), key=lambda a: (self.load[a], a))
+            self.pending[self.actors[i].collect.remote(item.step, item.prompts, item.seed)] = i
+            self.load[i] += 1
+
+    def _receive(self, timeout: float | None) -> None:
+        if not self.pending:
+            return
+        # Without waiting: whatever has arrived; otherwise block until one more result is in.
+        num_returns = len(self.pending) if timeout == 0 else 1
+        ready, _ = self.ray.wait(list(self.pending), num_returns=num_returns, timeout=timeout)
+        for ref in ready:
+            self.load[self.pending.pop(ref)] -= 1
+            self.buffer.put(self.ray.get(ref))
+
+    def _check_acks(self) -> None:
+        done, self.acks = self.ray.wait(self.acks, num_returns=len(self.acks), timeout=0) if self.acks else ([], [])
+        self.ray.get(done)  # re-raises a version refused by an actor
+
+    def next(self, trainer_version: int) -> tuple[StepRollouts, float]:
+        """(the next step batch within the staleness bound, seconds the trainer waited for it)."""
+        t0 = time.perf_counter()
+        while True:
+            self._check_acks()
+            self._dispatch()
+            self._receive(timeout=0)
+            item = self.buffer.take(trainer_version)
+            if item is not None:
+                break
+            self._dispatch()  # slots freed by dropped batches
+            self._receive(timeout=None)
+        return item, time.perf_counter() - t0
+
+    def push_weights(self, weights: Weights, version: int) -> None:
+        """Send policy `version` to every actor through the object store (one copy), queued behind earlier work."""
+        ref = self.ray.put(weights)
+        self.acks += [a.update_weights.remote(ref, version) for a in self.actors]
+
+    def versions(self) -> list[list[int]]:
+        """Per actor, the versions it loaded, in order (waits for queued updates)."""
+        return self.ray.get([a.versions.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """Confirm the last updates, then stop the actors (work still queued is abandoned)."""
+        try:
+            self.ray.get(self.acks)
+        finally:
+            for actor in self.actors:
+                self.ray.kill(actor)
+
+
+def split_groups(groups: Sequence[Any], rank: int, world_size: int) -> list[Any]:
+    """This data-parallel rank's contiguous share of a step's rollout groups."""
+    if len(groups) % world_size:
+        raise ValueError(f"{len(groups)} rollout groups do not split over {world_size} data-parallel ranks")
+    per = len(groups) // world_size
+    return list(groups[rank * per : (rank + 1) * per])

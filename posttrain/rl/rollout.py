@@ -1,0 +1,215 @@
+"""Rollout collection: sample a group of completions per prompt, score them, tag the policy version.
+
+A `RolloutWorker` owns a generation backend (native sampler or vLLM), the tokenizer and the
+reward function. The same object runs inside the stage process (sync GRPO) and inside a Ray
+generator actor (async GRPO), so the collection code has one implementation that tests can
+run without Ray. Scoring happens where the samples are made: the trainer receives groups that
+are ready to train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.checkpoint import load_hf_model
+from posttrain.evaluation.scoring import is_correct
+from posttrain.generation.backend import GenerationBackend, NativeBackend, VLLMBackend, Weights
+from posttrain.generation.sampler import SamplingParams
+from posttrain.rewards.reward_model import load_reward_model, score_sequences
+from posttrain.rewards.verifiers import load_verifiers, score
+from posttrain.tokenizer import Tokenizer
+
+
+@dataclass
+class RolloutGroup:
+    """`group_size` completions of one prompt, scored, with the policy version that sampled them."""
+
+    prompt_ids: list[int]
+    example: dict[str, Any]
+    completions: list[list[int]]  # generated ids, up to and including the stop token
+    logprobs: list[list[float]]  # the generator's log-prob of each generated id (logits / temperature)
+    finish_reasons: list[str]
+    rewards: list[float]
+    correct: list[bool]  # full credit from the first verifier
+    version: int  # policy version of the generator's weights
+    index: int = -1  # row of the prompt in its prompt set
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+
+@dataclass
+class PromptBatch:
+    """Prompts handed to a worker: token ids, verifier rows and their rows in the prompt set."""
+
+    prompt_ids: list[list[int]]
+    examples: list[dict[str, Any]]
+    index: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_loader(cls, batch: Mapping[str, Any]) -> PromptBatch:
+        """From a `posttrain.data.loader.prompt_batches` batch."""
+        return cls(list(batch["prompt_ids"]), list(batch["examples"]), [int(i) for i in batch["index"]])
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+class RewardFunction:
+    """Reward of a completion: the sum of the configured verifiers, plus `rm_weight` x a reward model's score.
+
+    `verifier_specs` are `reward.verifiers` entries (built-in names or `module:function`); the
+    first one decides correctness (pass rate, eval accuracy), as in the evaluate stage.
+    """
+
+    def __init__(self, verifier_specs: Sequence[str], reward_model_dir: str | Path | None = None,
+                 rm_weight: float = 0.0, pad_id: int = 0):
+        if not verifier_specs:
+            raise ValueError("reward.verifiers is empty: GRPO needs at least one verifier")
+        self.specs = list(verifier_specs)
+        self.verifiers = load_verifiers(self.specs)
+        self.rm_weight = float(rm_weight)
+        self.pad_id = pad_id
+        self.reward_model = None
+        if self.rm_weight:
+            if reward_model_dir is None or not Path(reward_model_dir).is_dir():
+                raise FileNotFoundError(
+                    f"grpo.rm_weight is {self.rm_weight} but there is no reward model at {reward_model_dir} "
+                    "(set reward.reward_model: true, or grpo.rm_weight: 0)"
+                )
+            self.reward_model = load_reward_model(reward_model_dir).eval()
+
+    def __call__(self, texts: Sequence[str], sequences: Sequence[Sequence[int]],
+                 examples: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[bool]]:
+        """(rewards, correct) of completions `texts`; `sequences` are prompt + completion ids (for the RM)."""
+        scores = score(texts, examples, self.verifiers)
+        rewards = [sum(s.values()) for s in scores]
+        if self.reward_model is not None:
+            rm = score_sequences(self.reward_model, sequences, self.pad_id)
+            rewards = [r + self.rm_weight * m for r, m in zip(rewards, rm)]
+        return rewards, [is_correct(s, self.specs[0]) for s in scores]
+
+
+class RolloutWorker:
+    """Samples and scores rollout groups with one backend; the unit a generator actor wraps."""
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, params: SamplingParams,
+                 group_size: int, reward_fn: RewardFunction):
+        if group_size < 2:
+            raise ValueError(f"grpo.group_size must be >= 2 (advantages are relative to the group), got {group_size}")
+        self.backend, self.tokenizer, self.params = backend, tokenizer, params
+        self.group_size, self.reward_fn = group_size, reward_fn
+
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def start_at(self, weights: Weights, version: int) -> int:
+        """Load the trainer's weights as `version` before any update (a resumed run starts past version 0)."""
+        self.backend.update_weights(weights, version)
+        return version
+
+    def update_weights(self, weights: Weights, version: int) -> int:
+        """Load policy `version`; refuses a version that skips one (an update was lost) or goes back."""
+        if version != self.backend.version + 1:
+            raise ValueError(
+                f"generator holds policy version {self.backend.version} and was sent version {version}; "
+                "weight updates must arrive one version at a time, in order"
+            )
+        self.backend.update_weights(weights, version)
+        return version
+
+    def collect(self, batch: PromptBatch, seed: int) -> list[RolloutGroup]:
+        """`group_size` completions for each prompt of `batch`, scored; deterministic for (weights, batch, seed)."""
+        k = self.group_size
+        version = self.backend.version
+        prompts = [p for p in batch.prompt_ids for _ in range(k)]
+        out = self.backend.generate(prompts, self.params, seed)
+        texts = self.tokenizer.decode_batch(out.tokens)
+        examples = [e for e in batch.examples for _ in range(k)]
+        rewards, correct = self.reward_fn(texts, [p + c for p, c in zip(prompts, out.tokens)], examples)
+        index = batch.index or [-1] * len(batch)
+        return [
+            RolloutGroup(
+                prompt_ids=list(batch.prompt_ids[g]), example=dict(batch.examples[g]),
+                completions=out.tokens[g * k : (g + 1) * k], logprobs=out.logprobs[g * k : (g + 1) * k],
+                finish_reasons=out.finish_reasons[g * k : (g + 1) * k], rewards=rewards[g * k : (g + 1) * k],
+                correct=correct[g * k : (g + 1) * k], version=version, index=int(index[g]),
+            )
+            for g in range(len(batch))
+        ]
+
+
+def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """Reward mean/std, pass rate, response length, truncation and the share of groups with no signal.
+
+    A group whose rewards are all equal has zero advantage everywhere: it costs a training pass
+    and teaches nothing (`zero_signal_frac`).
+    """
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+    lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float64)
+    correct = [c for g in groups for c in g.correct]
+    truncated = [f == "length" for g in groups for f in g.finish_reasons]
+    flat = [len(set(g.rewards)) == 1 for g in groups]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "pass_rate": sum(correct) / len(correct),
+        "response_len": float(lengths.mean()),
+        "truncated_frac": sum(truncated) / len(truncated),
+        "zero_signal_frac": sum(flat) / len(flat),
+    }
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Plain values from which any process (the stage, a Ray actor) builds the same `RolloutWorker`."""
+
+    backend: str  # native | vllm
+    model_dir: str  # HF folder of the starting policy (version 0)
+    tokenizer_dir: str
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    verifiers: tuple[str, ...]
+    reward_model_dir: str | None = None
+    rm_weight: float = 0.0
+    max_batch_size: int = 256  # sequences per native generate() call
+    max_model_len: int | None = None  # vLLM: prompt + completion budget
+    seed: int = 0
+    device: str = "cpu"
+
+
+def build_worker(spec: WorkerSpec) -> RolloutWorker:
+    """The backend named by `spec.backend` over the starting policy, with its tokenizer and reward function."""
+    tokenizer = Tokenizer(spec.tokenizer_dir)
+    if spec.backend == "native":
+        model = load_hf_model(spec.model_dir, device=spec.device).eval()
+        backend: GenerationBackend = NativeBackend(model, tokenizer.pad_id, tokenizer.decode, max_batch_size=spec.max_batch_size)
+    elif spec.backend == "vllm":
+        backend = VLLMBackend(spec.model_dir, seed=spec.seed, max_model_len=spec.max_model_len)
+    else:
+        raise ValueError(f"grpo.backend must be native or vllm, got {spec.backend!r}")
+    params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                            stop_token_ids=tokenizer.eos_ids)
+    reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id)
+    return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn)
+
+
+def greedy_accuracy(worker: RolloutWorker, prompts: PromptBatch, seed: int = 0) -> tuple[int, float]:
+    """(correct count, summed reward) of greedy completions of `prompts` under the worker's current weights."""
+    if not len(prompts):
+        return 0, 0.0
+    params = SamplingParams(max_new_tokens=worker.params.max_new_tokens, temperature=0.0,
+                            stop_token_ids=worker.params.stop_token_ids)
+    out = worker.backend.generate(prompts.prompt_ids, params, seed)
+    texts = worker.tokenizer.decode_batch(out.tokens)
+    sequences = [p + c for p, c in zip(prompts.prompt_ids, out.tokens)]
+    rewards, correct = worker.reward_fn(texts, sequences, prompts.examples)
+    return sum(correct), float(sum(rewards))

@@ -1,0 +1,22 @@
+"""The trainer's weights as generators need them: full tensors in HF names, on CPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from posttrain.parallel import gather_full_state_dict
+
+
+def policy_weights(model: nn.Module, every_rank: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights on CPU; collective under torch.distributed, every rank calls it.
+
+    `every_rank=False` leaves them on rank 0 only (the async trainer sends them from there);
+    `every_rank=True` gives each rank a copy (sync mode: every rank generates with its own copy).
+    """
+    if not every_rank or not dist.is_initialized():
+        return gather_full_state_dict(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu() for k, v in state.items()}
