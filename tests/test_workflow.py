@@ -304,6 +304,8 @@ def test_resolved_config_contract(tmp_path):
                                          "reward": g4.stages["reward"].key}
     assert grpo.resolved["grpo"]["group_size"] == 4 and grpo.resolved["reward"] == g4.stages["reward"].resolved["reward"]
     assert g4.evals["sft"].resolved["reward"]["verifiers"] == ["task"]  # evaluate scores with the verifiers
+    sft_taught = build_plan(cfg_with(distill={"teacher_stage": "sft"})).variants["default"].stages["distill"]
+    assert sft_taught.resolved["reward"] == {"verifiers": ["task"]}  # and so does distill's greedy eval
     assert g4.stages["sft"].resolved == g8.stages["sft"].resolved  # a pure function of the key
     assert set(g4.export.inputs) == {"model", "eval"} and g4.export.inputs["model"].stage == "distill"
     assert json.loads(json.dumps(sft.resolved)) == sft.resolved

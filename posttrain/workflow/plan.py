@@ -49,7 +49,7 @@ USES: dict[str, tuple[str, ...]] = {
     "dpo": (*_TRAINING, "dpo"),
     "reward": (*_TRAINING, "reward"),
     "grpo": (*_TRAINING, "grpo"),
-    "distill": (*_TRAINING, "model.student", "distill"),
+    "distill": (*_TRAINING, "model.student", "reward.verifiers", "distill"),  # verifiers: its greedy eval
     "evaluate": ("seed", "eval", "reward.verifiers"),  # verifiers decide what counts as correct
     "export": ("export",),
 }
