@@ -36,10 +36,6 @@ class LoRAConfig:
     targets: tuple[str, ...]
     quantize_base: bool
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
 
 def is_nf4(t: torch.Tensor) -> bool:
     """Whether `t` (or the local shard of a DTensor) is a torchao NF4 tensor.

@@ -65,7 +65,8 @@ class OptimizerInBackward(Optimizer):
         defaults = {k: v for k, v in self.optimizers[0].defaults.items() if k != "params"}
         super().__init__([p for _, p in named], defaults)
         # One param group here (the scheduler's view); its lr is pushed into each optimizer.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(opt)) for (_, p), opt in zip(named, self.optimizers)]
+        for (_, p), opt in zip(named, self.optimizers):
+            p.register_post_accumulate_grad_hook(self._hook_for(opt))
 
     def _hook_for(self, opt: Optimizer) -> Callable[[torch.Tensor], None]:
         group = self.param_groups[0]
@@ -106,11 +107,6 @@ class OptimizerInBackward(Optimizer):
         """Push the scheduler's current lr into every per-parameter optimizer (before saving them)."""
         for opt in self.optimizers:
             _set_lr(opt, self.param_groups[0]["lr"])
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def check_optimizer_in_backward(grad_accum: int, max_grad_norm: float | None) -> None:
