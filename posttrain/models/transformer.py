@@ -8,7 +8,9 @@ state dict maps one-to-one onto safetensors files. The module knows nothing of p
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -190,13 +192,32 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - start_idx
 
 
+@contextlib.contextmanager
+def _skip_module_init() -> Iterator[None]:
+    """Skip nn.Linear/nn.Embedding's own random init while building.
+
+    `init_weights` sets every tensor anyway, and on the meta device those inits go through
+    torch._refs, which imports torch._dynamo: ~10 s of start-up in every stage process.
+    """
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 class Transformer(nn.Module):
     def __init__(self, hf_config: dict[str, Any]):
         super().__init__()
         self.hf_config = dict(hf_config)
         self.args = ModelArgs.from_hf(hf_config)
-        self.model = DecoderBody(self.args)
-        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        with _skip_module_init():
+            self.model = DecoderBody(self.args)
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not any(p.is_meta for p in self.parameters()):
