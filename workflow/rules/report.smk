@@ -6,7 +6,13 @@ rule report:
         config=PLAN.report_config_path,
         evals=PLAN.eval_paths(),
     output:
-        directory(f"{RESULTS}/report"),
+        report(
+            directory(f"{RESULTS}/report"),
+            patterns=["{name}.png", "{name}.tsv"],
+            caption="../report/results.rst",
+            category="Results",
+            labels={"file": "{name}"},
+        ),
     params:
         launch=launcher,
     log:
