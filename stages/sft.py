@@ -42,7 +42,12 @@ from posttrain.parallel import (
 )
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.export import save_final_model
-from posttrain.training.faults import NonFiniteLossGuard, explain_out_of_memory, kill_if_requested
+from posttrain.training.faults import (
+    NonFiniteLossGuard,
+    exit_on_known_errors,
+    explain_out_of_memory,
+    kill_if_requested,
+)
 from posttrain.training.resume import Checkpointer, StopOnSignal
 from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm, model_config, seed_everything
 from posttrain.training.stats import data_parallel_sum, local_value, non_pad_tokens
@@ -121,12 +126,12 @@ def main() -> None:
 
     micro = micro_batch_size(sft, dp_size)
     train = sft_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size)
-    evaluate = lambda: held_out_loss(  # noqa: E731 - one pass over sft_eval, from its start each time
-        model,
-        sft_batches(args.data, micro, seed=cfg["seed"], split="sft_eval", rank=dp_rank, world_size=dp_size,
-                    shuffle=False, loop=False),
-        mesh, memory, info.device,
-    )
+
+    def evaluate() -> float:
+        """Held-out loss: one pass over `sft_eval`, from its start each time."""
+        held_out = sft_batches(args.data, micro, seed=cfg["seed"], split="sft_eval", rank=dp_rank,
+                               world_size=dp_size, shuffle=False, loop=False)
+        return held_out_loss(model, held_out, mesh, memory, info.device)
 
     checkpointer = Checkpointer(args.out, every=sft["checkpoint_every"], key=cfg["key"])
     resumed = checkpointer.load(model, optimizer, scheduler)
@@ -180,7 +185,7 @@ def main() -> None:
 
             lr = scheduler.get_last_lr()[0]
             grad_norm = None if in_backward else clip_grad_norm_(model.parameters(), clip)
-            if guard.should_skip(step, last_loss, checkpointer.latest()):
+            if guard.should_skip(step, last_loss, grad_norm, checkpointer.latest()):
                 optimizer.zero_grad(set_to_none=True)
             else:
                 optimizer.step()
@@ -188,7 +193,7 @@ def main() -> None:
             scheduler.step()
 
             seconds = time.perf_counter() - t0
-            record = {"loss": last_loss, "lr": lr, "loss_tokens": int(loss_tokens),
+            record = {"loss": last_loss, "lr": lr, "loss_tokens": int(loss_tokens), "step_s": seconds,
                       "tokens_per_s": useful_tokens / seconds, "peak_memory_mb": peak_memory_mb(info.device)}
             if grad_norm is not None:
                 record["grad_norm"] = grad_norm
@@ -234,4 +239,5 @@ def _first_value(path: Path, key: str) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_known_errors(STAGE):
+        main()

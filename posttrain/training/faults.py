@@ -12,17 +12,25 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from posttrain.checkpoint import CheckpointError
+from posttrain.data.sources import DataError
+from posttrain.models import ModelConfigError
+from posttrain.tokenizer import TokenizerError
+from posttrain.training.resume import ResumeError
+from posttrain.utils.metrics import LoggerUnavailableError
+
 KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or inf more often than allowed."""
+    """The loss or gradient norm became NaN or inf more often than allowed."""
 
 
 class NonFiniteLossGuard:
@@ -38,14 +46,19 @@ class NonFiniteLossGuard:
         self.skip_possible = skip_possible
         self.skipped = 0
 
-    def should_skip(self, step: int, loss: float, last_checkpoint: Path | None) -> bool:
-        """False for a finite loss; True to skip this batch; raises NonFiniteLossError to stop."""
-        if math.isfinite(loss):
+    def should_skip(self, step: int, loss: float, grad_norm: float | None, last_checkpoint: Path | None) -> bool:
+        """False when loss and gradient norm are finite; True to skip this batch; raises NonFiniteLossError to stop.
+
+        A non-finite gradient norm counts too: stepping on it would poison the weights (and every
+        checkpoint after) even while the loss still looks finite.
+        """
+        values = f"loss is {loss}" + ("" if grad_norm is None else f", gradient norm is {grad_norm}")
+        if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
             return False
         if self.skip_possible and self.skipped < self.max_skips:
             self.skipped += 1
             print(
-                f"step {step}: loss is {loss}; skipping this batch ({self.skipped} of {self.max_skips} "
+                f"step {step}: {values}; skipping this batch ({self.skipped} of {self.max_skips} "
                 f"allowed by {self.config_key})",
                 flush=True,
             )
@@ -57,7 +70,7 @@ class NonFiniteLossGuard:
             else f"{self.skipped} batches already skipped, {self.config_key}={self.max_skips}"
         )
         raise NonFiniteLossError(
-            f"step {step}: loss is {loss} ({why}); {where}. Lower the learning rate, check the data, "
+            f"step {step}: {values} ({why}); {where}. Lower the learning rate, check the data, "
             f"or raise {self.config_key} to skip such batches"
         )
 
@@ -82,3 +95,30 @@ def kill_if_requested(step: int) -> None:
     at = os.environ.get(KILL_AT_STEP_ENV)
     if at is not None and int(at) == step:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+KNOWN_ERRORS: tuple[type[BaseException], ...] = (
+    NonFiniteLossError,
+    ResumeError,
+    CheckpointError,
+    DataError,
+    ModelConfigError,
+    TokenizerError,
+    LoggerUnavailableError,
+    torch.OutOfMemoryError,
+)
+
+
+@contextmanager
+def exit_on_known_errors(stage: str, extra: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Turn the expected failures of a stage (bad input, the faults above, `extra`) into one line, exit 1.
+
+    Anything else keeps its traceback: it is a bug to report, not a setting to change.
+    """
+    try:
+        yield
+    except KNOWN_ERRORS + extra as e:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+        print(f"{where}{stage}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

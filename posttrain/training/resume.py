@@ -21,6 +21,9 @@ import re
 import shutil
 import signal
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,14 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it is single-process: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
 def _write_json(path: Path, record: dict[str, Any]) -> None:
     with path.open("w", encoding="utf-8") as f:
         json.dump(record, f)
@@ -145,7 +156,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
         record = {
             "step": step,
             "key": self.key,
@@ -198,7 +210,8 @@ class Checkpointer:
                 f"delete {self.root}"
             )
         state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
         result = set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         wrong = sorted(set(result.missing_keys) - frozen) + sorted(result.unexpected_keys)

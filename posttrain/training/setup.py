@@ -64,20 +64,20 @@ def model_config(source: str, tokenizer: Tokenizer) -> dict[str, Any]:
     return config
 
 
-def initial_state(source: str, hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Full starting weights on CPU: a preset's seeded random init, or the folder's safetensors."""
+def initial_state(source: str | None, hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Full starting weights on CPU: seeded random init of `hf_config` for a preset (or None), else the folder's."""
     return _full_model(source, hf_config, seed).state_dict()
 
 
-def _full_model(source: str, hf_config: dict[str, Any], seed: int) -> Transformer:
-    if is_preset(source):
+def _full_model(source: str | None, hf_config: dict[str, Any], seed: int) -> Transformer:
+    if source is None or is_preset(source):
         torch.manual_seed(seed)
         return Transformer(hf_config)
     return load_hf_model(source)
 
 
 def build_model(
-    source: str,
+    source: str | None,
     hf_config: dict[str, Any],
     info: DistInfo,
     mesh: DeviceMesh | None,
@@ -87,6 +87,8 @@ def build_model(
 ) -> Transformer:
     """The model from `source` with `method`'s adapters, parallelized per `cfg['memory']`/`cfg['parallel']`.
 
+    `source` None or a preset: random init of `hf_config` (seeded by `cfg['seed']`); else a folder
+    or hub id whose weights fill `hf_config`'s architecture (`model_config(source, ...)`).
     `method`: full (every weight trains), lora, or qlora (NF4 frozen base); `lora_cfg` is the
     stage's `lora` section. Every rank calls this.
     """

@@ -1,0 +1,132 @@
+"""SFT training throughput in useful (non-pad) tokens/s: packed vs padded rows, and each feature's cost.
+
+Documents with a skewed length distribution (most short, a long tail; lognormal, clipped to
+`--seq`) are laid out the two ways data prep can (`posttrain.data.packing.pack_or_pad`): packed
+with per-document attention, or one padded document per row. Both train the same model with
+the same rows per step, so the packed/padded ratio of useful tokens/s is what packing buys.
+Then, on packed rows, each memory feature alone shows its speed cost against the baseline.
+The step is the stage's own (`build_model`, `build_optimizer_and_scheduler`, `summed_loss`);
+`--warmup` steps (compilation, lazy states) are not timed, `--steps` are.
+
+    python benchmarks/sft_throughput.py [--device cpu|cuda] [--seq 256] [--rows 8] [--steps 5]
+
+Target (issue 4): packed >= 2x padded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.data.packing import pack_or_pad
+from posttrain.models import document_positions, preset_config
+from posttrain.optim import OptimizerInBackward, clip_grad_norm_
+from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
+from sft_memory import _stage_module, variant_config  # benchmarks/ is on sys.path when run as a script
+
+FEATURES = ("chunked_ce", "activation_checkpointing", "optimizer_in_backward", "adamw8bit", "compile", "lora")
+PAD_ID = 0
+
+
+def skewed_documents(n: int, seq: int, vocab: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Token ids and labels of `n` documents, lengths lognormal (median seq/8), clipped to [8, seq]."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=np.log(seq / 8), sigma=0.8, size=n).astype(int), 8, seq)
+    ids = [rng.integers(1, vocab, size=int(length)) for length in lengths]
+    labels = []
+    for doc in ids:
+        label = np.append(doc[1:], -100)
+        label[: len(doc) // 4] = -100  # the prompt part
+        labels.append(label)
+    return ids, labels
+
+
+def batches(rows: dict[str, np.ndarray], batch_rows: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for start in range(0, len(rows["input_ids"]) - batch_rows + 1, batch_rows):
+        b = {k: torch.from_numpy(v[start : start + batch_rows].astype(np.int64)) for k, v in rows.items()}
+        b["position_ids"] = document_positions(b["document_ids"])
+        out.append(b)
+    return out
+
+
+def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list[dict[str, torch.Tensor]],
+                      warmup: int, steps: int, device: torch.device) -> dict[str, float]:
+    from posttrain.parallel import DistInfo
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    model = build_model(None, hf_config, info, None, cfg, cfg["sft"]["method"], cfg["sft"]["lora"])
+    optimizer, _ = build_optimizer_and_scheduler(model, cfg["sft"], cfg["memory"])
+    stage, clip = _stage_module(), max_grad_norm(cfg["sft"])
+    useful, seconds = 0, 0.0
+    for i in range(warmup + steps):
+        batch = {k: v.to(device) for k, v in data[i % len(data)].items()}
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = stage.summed_loss(model, batch, None, cfg["memory"])
+        (loss / max(int((batch["labels"] != -100).sum()), 1)).backward()
+        if not isinstance(optimizer, OptimizerInBackward):
+            clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            seconds += time.perf_counter() - t0
+            useful += int((batch["input_ids"] != PAD_ID).sum())
+    return {"useful_tokens_per_s": useful / seconds, "step_s": seconds / steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="tiny", help="a preset (posttrain.models.presets)")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=8, help="rows per step")
+    parser.add_argument("--docs", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--features", default=",".join(FEATURES), help="comma-separated features to time")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    hf_config = preset_config(args.model, vocab_size=args.vocab)
+    ids, labels = skewed_documents(args.docs, args.seq, args.vocab, seed=0)
+    layouts = {name: pack_or_pad(ids, labels, args.seq, PAD_ID, packing=packing)
+               for name, packing in (("packed", True), ("padded", False))}
+    data = {name: batches(rows, args.rows) for name, rows in layouts.items()}
+    lengths = np.array([len(d) for d in ids])
+    print(f"{len(ids)} documents, length median {np.median(lengths):.0f}, mean {lengths.mean():.0f}, "
+          f"max {lengths.max()} (rows of {args.seq}); packed rows {len(layouts['packed']['input_ids'])}, "
+          f"padded rows {len(layouts['padded']['input_ids'])}")
+
+    results = []
+    runs = [("padded", "padded", ()), ("packed", "packed", ())]
+    runs += [(f"packed + {f}", "packed", (f,)) for f in args.features.split(",") if f]
+    print(f"{'run':36} {'useful tok/s':>13} {'step s':>8} {'vs packed':>10}")
+    packed = None
+    for name, layout, features in runs:
+        cfg = variant_config(features)
+        r = tokens_per_second(cfg, hf_config, data[layout], args.warmup, args.steps, device)
+        packed = r["useful_tokens_per_s"] if name == "packed" else packed
+        rel = r["useful_tokens_per_s"] / packed if packed else float("nan")
+        results.append({"run": name, **r, "vs_packed": rel})
+        print(f"{name:36} {r['useful_tokens_per_s']:13.0f} {r['step_s']:8.3f} {rel:10.2f}", flush=True)
+    speedup = results[1]["useful_tokens_per_s"] / results[0]["useful_tokens_per_s"]
+    print(f"packed / padded useful tokens/s: {speedup:.2f}x (target >= 2x)")
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "seq": args.seq, "rows": args.rows,
+                                         "packed_over_padded": speedup, "runs": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

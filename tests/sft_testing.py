@@ -1,0 +1,85 @@
+"""Helpers shared by the SFT stage and resume tests: small resolved configs, data prep, stage runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.checkpoint import read_safetensors, weight_files
+from posttrain.workflow.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SFT_SCRIPT = ROOT / "stages" / "sft.py"
+PREPARE_SCRIPT = ROOT / "stages" / "prepare_data.py"
+
+# Small enough to prepare in seconds; the default tasks, a shorter sequence.
+SMALL_DATA = {"n_sft": 600, "n_preference": 8, "n_prompts": 8, "n_eval": 60, "max_seq_len": 64}
+SMALL_SFT = {"steps": 6, "batch_size": 8, "grad_accum": 1, "warmup_steps": 2, "checkpoint_every": 2, "log_every": 1}
+
+
+def resolved_config(stage: str, key: str, data: dict[str, Any] | None = None, sft: dict[str, Any] | None = None,
+                    **sections: dict[str, Any]) -> dict[str, Any]:
+    """The default config with overrides per section, plus the stage/key/upstream a stage expects."""
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    cfg["data"].update(data or {})
+    cfg["sft"].update(sft or {})
+    for name, values in sections.items():
+        cfg[name].update(values)
+    cfg.update(stage=stage, key=key, upstream={"prepare_data": "test-data"} if stage != "prepare_data" else {})
+    return copy.deepcopy(cfg)
+
+
+def write_config(cfg: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def env_for(threads: int = 2, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), **extra}
+    env.pop("POSTTRAIN_TEST_SIGKILL_AT_STEP", None)
+    env.update(extra)
+    return env
+
+
+def prepare_data(tmp: Path, data: dict[str, Any] | None = None) -> Path:
+    cfg = resolved_config("prepare_data", "test-data", data={**SMALL_DATA, **(data or {})})
+    out = tmp / "data"
+    subprocess.run([sys.executable, str(PREPARE_SCRIPT), "--config", str(write_config(cfg, tmp / "data.json")),
+                    "--out", str(out)], check=True, capture_output=True, env=env_for(), cwd=ROOT)
+    return out
+
+
+def sft_command(config: Path, data: Path, out: Path, nproc: int = 1) -> list[str]:
+    args = [str(SFT_SCRIPT), "--config", str(config), "--data", str(data), "--out", str(out)]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
+
+
+def run_sft(cfg: dict[str, Any], data: Path, out: Path, nproc: int = 1, check: bool = True,
+            **env: str) -> subprocess.CompletedProcess:
+    config = write_config(cfg, out.parent / f"{out.name}.json")
+    proc = subprocess.run(sft_command(config, data, out, nproc), capture_output=True, text=True, cwd=ROOT,
+                          env=env_for(threads=1 if nproc > 1 else 2, **env), timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"sft exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(records: list[dict[str, Any]]) -> list[float]:
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(weight_files(out))
