@@ -1,0 +1,187 @@
+"""A one-node Slurm cluster on 127.0.0.1 for tests: Debian's packages, a private munged socket,
+free ports, and state in a temporary directory.
+
+`LocalSlurm.start()` launches munged, slurmctld and slurmd in the foreground and keeps their
+`Popen` handles; `stop()` cancels this cluster's jobs and ends exactly those processes, by PID.
+A system munged is left alone: ours has its own socket.
+
+The config is also written to /etc/slurm/slurm.conf (and removed by `stop()`): the Snakemake
+plugin's job step (snakemake-executor-plugin-slurm-jobstep) drops every `SLURM_*` variable,
+`SLURM_CONF` included, before its nested `srun`, which then reads only the default path. A
+/etc/slurm/slurm.conf that this module did not write (a real cluster's) is never touched.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pwd
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "squeue", "scancel")
+TEMPLATE = Path(__file__).with_name("slurm.conf.in")
+DEFAULT_CONF = Path("/etc/slurm/slurm.conf")
+MARK = "# Written by posttrain's tests/slurm/local_cluster.py"
+LOCK = Path("/tmp/posttrain-local-slurm.lock")
+
+
+class ClusterBusy(RuntimeError):
+    """Another test cluster of this module is running on the machine."""
+
+
+def unavailable_reason() -> str | None:
+    """Why a cluster cannot run here, or None (binaries present, or root on Debian with apt-get)."""
+    if os.geteuid() != 0:
+        return "a local Slurm cluster needs root (munged runs as the munge user, slurmd launches jobs)"
+    if DEFAULT_CONF.exists() and not DEFAULT_CONF.read_text(errors="replace").startswith(MARK):
+        return f"{DEFAULT_CONF} belongs to a real Slurm installation; the test cluster will not replace it"
+    if all(shutil.which(b) for b in BINARIES):
+        return None
+    if not Path("/etc/debian_version").exists() or shutil.which("apt-get") is None:
+        return f"Slurm is not installed and this is not Debian with apt-get to install {' '.join(PACKAGES)}"
+    return None
+
+
+def install() -> None:
+    """apt-get install the Slurm and munge packages when a binary is missing (apt-get update only if needed)."""
+    if all(shutil.which(b) for b in BINARIES):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    if subprocess.run(command, env=env, capture_output=True, text=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, check=True, capture_output=True)
+        subprocess.run(command, env=env, check=True, capture_output=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_line() -> tuple[str, str]:
+    """`slurmd -C`'s NodeName line (this machine's CPUs and memory) and the node's name."""
+    out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("NodeName="))
+    return line, line.split()[0].removeprefix("NodeName=")
+
+
+class LocalSlurm:
+    """munged + slurmctld + slurmd for one node, all under `root`; clients find it through `env`."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.state = self.root / "state"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._munge_dir: Path | None = None
+        self._lock: int | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment for sbatch/squeue/snakemake (and so for the jobs: sbatch --export=ALL)."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def start(self, timeout: float = 120) -> None:
+        """Write slurm.conf, start the three daemons, and wait until the node is idle.
+
+        Raises ClusterBusy while another LocalSlurm holds the machine's lock (one per machine:
+        /etc/slurm/slurm.conf is shared).
+        """
+        self._lock = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            self._lock = None
+            raise ClusterBusy(f"another local test cluster holds {LOCK}") from None
+        self.state.mkdir(parents=True)
+        for sub in ("ctld", "slurmd"):
+            (self.state / sub).mkdir()
+        socket_path = self._start_munged()
+        line, name = node_line()
+        text = MARK + "\n" + string.Template(TEMPLATE.read_text()).substitute(
+            ctld_port=_free_port(), slurmd_port=_free_port(), munge_socket=socket_path, state=self.state,
+            node_line=line, node_name=name,
+        )
+        self.conf.write_text(text)
+        DEFAULT_CONF.parent.mkdir(parents=True, exist_ok=True)
+        DEFAULT_CONF.write_text(text)  # unavailable_reason() made sure it was absent or ours
+        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        self._wait(lambda: self.sinfo_states() == ["idle"], timeout, "the node to be idle in sinfo")
+
+    def _start_munged(self) -> Path:
+        # Under /tmp (not pytest's root-only tmp dir): the munge user must reach its socket.
+        munge = pwd.getpwnam("munge")
+        self._munge_dir = Path(tempfile.mkdtemp(prefix="posttrain-munge-", dir="/tmp"))
+        os.chown(self._munge_dir, munge.pw_uid, munge.pw_gid)
+        self._munge_dir.chmod(0o755)  # munged wants its socket directory searchable by all
+        sock = self._munge_dir / "munge.socket"
+        self._spawn("munged", [
+            "munged", "--foreground", f"--socket={sock}", f"--pid-file={self._munge_dir / 'munged.pid'}",
+            f"--log-file={self._munge_dir / 'munged.log'}", f"--seed-file={self._munge_dir / 'munged.seed'}",
+        ], user=munge.pw_uid, group=munge.pw_gid)
+        self._wait(sock.exists, 30, f"munged's socket {sock}")
+        return sock
+
+    def _spawn(self, name: str, command: list[str], **kwargs) -> None:
+        log = open(self.root / f"{name}.out", "wb")
+        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, **kwargs)
+        log.close()
+
+    def _wait(self, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"local Slurm: gave up waiting for {what} (exited: {dead})\n{self.logs()}")
+            time.sleep(0.5)
+
+    def sinfo_states(self) -> list[str]:
+        proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], env=self.env,
+                              capture_output=True, text=True)
+        return proc.stdout.split() if proc.returncode == 0 else []
+
+    def jobs(self) -> list[dict[str, str]]:
+        """Every job slurmctld still remembers (MinJobAge keeps finished ones): id, comment, state."""
+        out = subprocess.run(["squeue", "--states=all", "--noheader", "--format=%i|%k|%T"], env=self.env,
+                             capture_output=True, text=True, check=True).stdout
+        return [dict(zip(("id", "comment", "state"), line.split("|"))) for line in out.splitlines() if line]
+
+    def logs(self, tail: int = 3000) -> str:
+        files = sorted(self.root.glob("*.out")) + sorted(self.state.glob("*.log"))
+        if self._munge_dir is not None:
+            files.append(self._munge_dir / "munged.log")
+        return "\n".join(f"--- {f}\n{f.read_text(errors='replace')[-tail:]}" for f in files if f.exists())
+
+    def stop(self) -> None:
+        """Cancel this cluster's jobs, then end the daemons this object started (slurmd first)."""
+        if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
+            subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True, timeout=30)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.processes.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        if self._munge_dir is not None:
+            shutil.rmtree(self._munge_dir, ignore_errors=True)
+        if self.conf.exists() and DEFAULT_CONF.exists() and DEFAULT_CONF.read_text() == self.conf.read_text():
+            DEFAULT_CONF.unlink()
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None

@@ -1,0 +1,102 @@
+"""The smoke pipeline on a real one-node Slurm cluster through `profiles/slurm`.
+
+The session fixture installs Debian's `slurmctld slurmd slurm-client munge` when they are missing
+(root on Debian only; otherwise the test is skipped with the reason), starts munged, slurmctld and
+slurmd on 127.0.0.1 from a temporary directory (tests/slurm/), and stops exactly those processes.
+The workflow runs in a temporary copy of the repository, so its results and Snakemake's lock stay
+out of the checkout. Test-only settings go on the command line; profiles/slurm is used as shipped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm.local_cluster import ClusterBusy, LocalSlurm, install, unavailable_reason
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "envs")
+SLURM_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export")
+MODEL_STAGES = ("sft", "dpo", "grpo", "distill")
+# The profile's first status check waits 20 s (sized for real clusters); a test wants 2.
+TEST_OVERRIDES = ("--slurm-init-seconds-before-status-checks", "2", "--latency-wait", "5")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        import snakemake_executor_plugin_slurm  # noqa: F401
+    except ImportError:
+        pytest.skip("snakemake-executor-plugin-slurm is not installed (pip install -e .)")
+    install()
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        try:
+            cluster.start()
+        except ClusterBusy as e:
+            pytest.skip(str(e))
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def workdir(tmp_path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name,
+                                                            **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                                               if src.is_dir() else {}))
+    return root
+
+
+def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--configfile", "config/smoke.yaml",
+         *TEST_OVERRIDES],
+        cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=900,
+    )
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    print(f"smoke pipeline on Slurm: {seconds:.0f} s")
+    assert proc.returncode == 0, f"{output[-6000:]}\n{slurm_cluster.logs()}"
+
+    # Every stage's output, found through the variant's manifest, is complete.
+    results = workdir / "results" / "smoke"
+    manifest = json.loads((results / "variants" / "default" / "manifest.json").read_text())
+    outputs = {stage: workdir / ref["path"] for stage, ref in manifest["stages"].items()}
+    assert set(outputs) == {"prepare_data", "sft", "dpo", "reward", "grpo", "distill"}, manifest["stages"]
+    for stage, folder in outputs.items():
+        assert json.loads((folder / "posttrain.json").read_text())["stage"] == stage
+    for stage in MODEL_STAGES:
+        assert {"model.safetensors", "config.json"} <= {p.name for p in outputs[stage].iterdir()}, stage
+    assert sorted(manifest["eval"]) == sorted(MODEL_STAGES)
+    assert all((workdir / ref["path"] / "metrics.json").is_file() for ref in manifest["eval"].values())
+    assert (workdir / manifest["export"]["path"] / "model.safetensors").is_file()
+    assert (results / "report" / "summary.tsv").is_file()
+    assert not list(results.rglob("*.resume")) and not list(results.rglob("*.tmp-*"))
+
+    # Slurm ran every non-local rule as a job and each one completed; the plugin polled with squeue.
+    jobs = slurm_cluster.jobs()
+    by_rule: dict[str, list[str]] = {}
+    for job in jobs:
+        rule = job["comment"].removeprefix("rule_").split("_wildcards_")[0]
+        by_rule.setdefault(rule, []).append(job["state"])
+    assert set(by_rule) == set(SLURM_RULES), jobs
+    assert all(state == "COMPLETED" for states in by_rule.values() for state in states), jobs
+    assert len(by_rule["evaluate"]) == len(MODEL_STAGES)
+    assert "Falling back to 'sacct'" not in output
