@@ -32,6 +32,7 @@ from posttrain.data.tasks import make_splits
 from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text
 from posttrain.models import is_preset
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
+from posttrain.training.faults import exit_on_known_errors
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
@@ -126,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_known_errors("prepare_data"):
+        main()

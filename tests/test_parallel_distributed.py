@@ -151,7 +151,7 @@ def test_fsdp_hsdp_tp_qlora_match_single_process(tmp_path):
         assert ref_losses[-1] < ref_losses[0] - 0.1
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), name
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), name
-        state = torch.load(tmp_path / f"{name}.pt")
+        state = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert set(state) == set(ref_state), name
         for key, value in ref_state.items():
             # Adam's normalized step turns float noise in tiny gradients into lr-sized element

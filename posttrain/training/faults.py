@@ -24,6 +24,7 @@ from posttrain.data.sources import DataError
 from posttrain.models import ModelConfigError
 from posttrain.tokenizer import TokenizerError
 from posttrain.training.resume import ResumeError
+from posttrain.utils.io import OutputExistsError
 from posttrain.utils.metrics import LoggerUnavailableError
 
 KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
@@ -105,6 +106,7 @@ KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     ModelConfigError,
     TokenizerError,
     LoggerUnavailableError,
+    OutputExistsError,
     torch.OutOfMemoryError,
 )
 

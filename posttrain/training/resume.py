@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from posttrain.optim import load_optimizer_state_dict, optimizer_state_dict
+from posttrain.utils.io import refuse_other_run
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -113,10 +114,12 @@ class Checkpointer:
     """Periodic resumable checkpoints of one stage run; every rank calls every method.
 
     `key` is the stage key of the run: state left by a different configuration is refused
-    rather than silently mixed in.
+    rather than silently mixed in, and so is an `out` that already holds another run's results
+    (at the start, not after training, when the final output would have to replace it).
     """
 
     def __init__(self, out: str | os.PathLike, every: int, key: str | None = None):
+        refuse_other_run(out, key)
         self.root = resume_dir(out)
         self.every = int(every)
         self.key = key

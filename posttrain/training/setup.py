@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.checkpoint import load_hf_model, read_hf_config, resolve_model_source
-from posttrain.models import Transformer, is_preset, preset_config
+from posttrain.models import ModelConfigError, Transformer, is_preset, preset_config
 from posttrain.models.lora import apply_lora
 from posttrain.optim import build_lr_scheduler, build_optimizer
 from posttrain.parallel import DistInfo, load_full_state_dict, materialize, parallelize
@@ -57,7 +57,7 @@ def model_config(source: str, tokenizer: Tokenizer) -> dict[str, Any]:
     folder = resolve_model_source(source)
     config = read_hf_config(folder)
     if tokenizer.vocab_size > int(config.get("vocab_size", 0)):
-        raise ValueError(
+        raise ModelConfigError(
             f"{tokenizer.folder}: the tokenizer has {tokenizer.vocab_size} ids but {folder / 'config.json'} "
             f"has vocab_size {config.get('vocab_size')}; use the model's own tokenizer (model.tokenizer: null)"
         )

@@ -45,13 +45,30 @@ def _run_key(directory: Path) -> str | None:
         return None
 
 
+class OutputExistsError(FileExistsError):
+    """The output path already holds a different run's results."""
+
+
+def refuse_other_run(out: str | Path, key: str | None) -> None:
+    """Raise OutputExistsError when `out` is a non-empty directory of another run than `key`.
+
+    A run is known by the `key` in its `posttrain.json`; an output without one counts as another's.
+    """
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and (key is None or _run_key(out) != key):
+        raise OutputExistsError(
+            f"{out} exists and holds a different run (key {_run_key(out)!r}, this run {key!r}); "
+            "remove it or choose another --out"
+        )
+
+
 @contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling of `out` to write into; on success fsync it and rename it to `out`.
 
     On error the temporary directory is removed and `out` is left as it was. An existing `out` is
     replaced only when it is empty or holds the same run (same `key` in `posttrain.json`);
-    otherwise this raises `FileExistsError` rather than destroy another run's output.
+    otherwise this raises `OutputExistsError` rather than destroy another run's output.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -63,12 +80,7 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
         yield tmp
         _fsync_tree(tmp)
         if out.exists():
-            same_run = _run_key(out) is not None and _run_key(out) == _run_key(tmp)
-            if any(out.iterdir()) and not same_run:
-                raise FileExistsError(
-                    f"{out} exists and holds a different run (key {_run_key(out)!r}, this run "
-                    f"{_run_key(tmp)!r}); remove it or choose another --out"
-                )
+            refuse_other_run(out, _run_key(tmp))
             old = out.with_name(f"{out.name}.old-{os.getpid()}")
             out.rename(old)
             tmp.rename(out)
