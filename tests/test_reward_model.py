@@ -18,6 +18,15 @@ CFG = dict(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size
            pad_token_id=0, eos_token_id=100)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and OpenMP spin-waits on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def sequences(n: int = 7, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 101, (int(k),), generator=g).tolist() for k in torch.randint(1, 20, (n,), generator=g)]
