@@ -425,7 +425,7 @@ def main() -> None:
         config=cfg,
     )
     stop = StopOnSignal()
-    guard = NonFiniteLossGuard(distill.get("skip_nonfinite", 0), "distill.skip_nonfinite", skip_possible=not in_backward)
+    guard = NonFiniteLossGuard(distill["skip_nonfinite"], "distill.skip_nonfinite", skip_possible=not in_backward)
 
     if resumed is None:
         divergence_before, _ = evaluate()
