@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.config import load_resolved_config
 from posttrain.data.loader import Batches, sft_batches
-from posttrain.losses import full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses import IGNORE_INDEX, full_cross_entropy, linear_cross_entropy, num_loss_tokens
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (
@@ -51,7 +51,14 @@ from posttrain.training.faults import (
 from posttrain.training.resume import Checkpointer, StopOnSignal
 from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm, model_config, seed_everything
 from posttrain.training.stats import data_parallel_sum, local_value, non_pad_tokens
-from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
+from posttrain.utils.metrics import (
+    MetricsLogger,
+    first_value,
+    peak_memory_mb,
+    progress_bar,
+    reset_peak_memory,
+    truncate_after,
+)
 
 STAGE = "sft"
 
@@ -90,13 +97,27 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def at_least_one_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An evaluation batch a rank can run: the last batch of a split may leave a rank no rows, but
+    every rank must take part in each sharded forward. The stand-in row has no loss tokens."""
+    rows, seq_len = batch["input_ids"].shape
+    if rows:
+        return batch
+    return {
+        "input_ids": torch.zeros(1, seq_len, dtype=torch.long),
+        "labels": torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.long),
+        "document_ids": torch.zeros(1, seq_len, dtype=torch.long),
+        "position_ids": torch.arange(seq_len)[None],
+    }
+
+
 @torch.no_grad()
 def held_out_loss(model: Transformer, batches: Batches, mesh: DeviceMesh | None, memory: dict[str, Any], device: torch.device) -> float:
     """Mean cross-entropy per loss token over a whole evaluation split (all ranks together)."""
     model.eval()
     total, tokens = 0.0, 0
     for batch in batches:
-        batch = to_device(batch, device)
+        batch = to_device(at_least_one_row(batch), device)
         with loss_context(mesh):
             total += float(local_value(summed_loss(model, batch, mesh, memory)))
         tokens += int(num_loss_tokens(batch["labels"]))
@@ -135,28 +156,28 @@ def main() -> None:
 
     checkpointer = Checkpointer(args.out, every=sft["checkpoint_every"], key=cfg["key"])
     resumed = checkpointer.load(model, optimizer, scheduler)
-    start_step = 0
+    start_step, last_checkpoint = 0, None
     if resumed is not None:
         train.load_state_dict(resumed.data_state)
-        start_step = resumed.step
+        start_step, last_checkpoint = resumed.step, resumed.path
         if info.is_main:
             truncate_after(checkpointer.metrics_path, start_step)
             print(f"resuming from {resumed.path} at step {start_step}", flush=True)
     metrics = MetricsLogger(
         checkpointer.metrics_path,
         enabled=info.is_main,
-        loggers=cfg.get("loggers", ()),
+        loggers=cfg["loggers"],
         run_name=f"{STAGE}-{cfg['key']}",
         config=cfg,
     )
     stop = StopOnSignal()
-    guard = NonFiniteLossGuard(sft.get("skip_nonfinite", 0), "sft.skip_nonfinite", skip_possible=not in_backward)
+    guard = NonFiniteLossGuard(sft["skip_nonfinite"], "sft.skip_nonfinite", skip_possible=not in_backward)
 
     if resumed is None:
         eval_before = evaluate()
         metrics.log(0, {"eval_loss": eval_before})
     else:
-        eval_before = _first_value(checkpointer.metrics_path, "eval_loss") if info.is_main else float("nan")
+        eval_before = first_value(checkpointer.metrics_path, "eval_loss") if info.is_main else float("nan")
 
     # --- training loop ---
     bar = progress_bar(steps, start_step, info.is_main, STAGE)
@@ -185,7 +206,7 @@ def main() -> None:
 
             lr = scheduler.get_last_lr()[0]
             grad_norm = None if in_backward else clip_grad_norm_(model.parameters(), clip)
-            if guard.should_skip(step, last_loss, grad_norm, checkpointer.latest()):
+            if guard.should_skip(step, last_loss, grad_norm, last_checkpoint):
                 optimizer.zero_grad(set_to_none=True)
             else:
                 optimizer.step()
@@ -203,12 +224,13 @@ def main() -> None:
             if info.is_main and step % sft["log_every"] == 0:
                 bar.write(f"step {step}/{steps} " + json.dumps({k: round(v, 6) for k, v in record.items()}))
 
-            saved = checkpointer.save(step, model, optimizer, scheduler, train.state_dict()) if checkpointer.due(step, steps) else None
-            if step < steps and stop.requested():
-                saved = saved or checkpointer.save(step, model, optimizer, scheduler, train.state_dict())
+            stopping = step < steps and stop.requested()
+            if checkpointer.due(step, steps) or stopping:
+                last_checkpoint = checkpointer.save(step, model, optimizer, scheduler, train.state_dict())
+            if stopping:
                 bar.close()
                 metrics.close()
-                stop.exit(step, saved)
+                stop.exit(step, last_checkpoint)
             kill_if_requested(step)
     bar.close()
 
@@ -227,15 +249,6 @@ def main() -> None:
     if info.is_main:
         print(json.dumps({"out": args.out, **summary}), flush=True)
     destroy()
-
-
-def _first_value(path: Path, key: str) -> float:
-    """The first record's `key` in a metrics file (a resumed run's pre-training eval loss)."""
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if key in record:
-            return float(record[key])
-    return float("nan")
 
 
 if __name__ == "__main__":
