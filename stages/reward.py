@@ -1,0 +1,404 @@
+"""reward: sample the policy, score the samples, keep the prompts GRPO can learn from, pair best vs worst.
+
+    python stages/reward.py --config RESOLVED.json --data DATA_DIR --model POLICY_DIR --out DIR
+
+Reads `seed`, `memory` and `reward` of the resolved config, in this order:
+
+1. `reward.reward_model: true`: a Bradley-Terry reward model (the policy's decoder plus a scalar
+   head) is trained for `reward.rm_steps` steps of `reward.rm_batch_size` pairs at `reward.rm_lr`
+   (warmup over the first tenth, cosine to a tenth) on the data's `preference` split, a seeded
+   tenth of which is held out; its held-out pairwise accuracy is reported before and after.
+2. `reward.samples_per_prompt` completions are sampled for each of the first `reward.n_prompts`
+   rows of the `prompts` split (chat template with the generation prompt, stopping at the
+   end-of-turn token) at `reward.temperature`, with the `reward.backend` (`native`: the KV-cache
+   sampler; `vllm`: vLLM where installed). Call c of the backend is seeded `seed + c`.
+3. Each sample is scored by every verifier in `reward.verifiers` and, when trained, by the reward
+   model; its reward is their sum. A sample is correct when the first verifier gives it full
+   credit (>= 1, as `evaluate` counts it), and a prompt's pass rate is its share of correct samples.
+   A verifier that fails names the prompt's index in the `prompts` split.
+4. GRPO prompts: those with `low < pass rate < high` for `reward.pass_rate_band: [low, high]`.
+   Both ends are exclusive, so the default [0, 1] drops prompts the policy never or always solves
+   (every sample gets the same reward: no group-relative signal). When no prompt is inside the
+   band (a weak policy in a short pipeline), every prompt is kept so the pipeline goes on, and a
+   warning on stderr and `grpo_prompts_fallback` in stats.json say so and why.
+5. On-policy pairs: for each prompt whose samples' rewards differ, the best sample (chosen) and the
+   worst (rejected); ties go to the earliest sample.
+
+Output (written to a temporary sibling and renamed when complete; identical for the same seed):
+    rollouts.parquet      one row per sample: prompt_index, prompt_id, sample, prompt (rendered
+                          text), completion, prompt_ids, completion_ids, logprobs, finish_reason,
+                          reward/<verifier>, reward/rm, reward, correct, policy_key
+    pass_rates.parquet    one row per prompt: prompt_index, prompt_id, task, samples, correct,
+                          pass_rate, reward_mean, reward_std
+    grpo_prompts.parquet  the kept prompts, with the `prompts` split's columns (prompt_ids, id,
+                          task, answer, example) plus prompt_index and pass_rate
+    pairs.parquet         prompt (messages), chosen, rejected (completion texts), their rewards,
+                          prompt_index, prompt_id: the `preference` source format DPO reads
+    rm/                   the reward model (HF sequence-classification folder), when trained
+    stats.json            counts, means and the reward model's accuracy
+    posttrain.json        provenance, with throughput (rollouts/s) and wall times
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from posttrain.checkpoint import load_hf_model
+from posttrain.config import load_resolved_config
+from posttrain.data.loader import Batches, preference_collate
+from posttrain.data.store import load_split
+from posttrain.evaluation.scoring import is_correct
+from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend
+from posttrain.losses import bradley_terry_loss
+from posttrain.optim import OptimizerInBackward, clip_grad_norm_
+from posttrain.rewards import (
+    RewardModel,
+    VerifierError,
+    load_reward_model,
+    load_verifiers,
+    save_reward_model,
+    score,
+    score_sequences,
+    scored_lengths,
+)
+from posttrain.tokenizer import Tokenizer
+from posttrain.training.faults import exit_on_known_errors
+from posttrain.training.setup import build_optimizer_and_scheduler, seed_everything
+from posttrain.utils.io import atomic_dir
+from posttrain.utils.lineage import read_provenance
+from posttrain.utils.metrics import MetricsLogger, progress_bar
+from posttrain.utils.provenance import write_provenance
+
+STAGE = "reward"
+GENERATION_BATCH = 64  # sequences per native generate() call
+VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
+RM_HELD_OUT = 0.1  # share of preference pairs held out for the reward model's accuracy
+RM_EVAL_BATCH = 64
+RM_LOG_EVERY = 25
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="resolved config (JSON)")
+    parser.add_argument("--data", required=True, help="prepare_data output (results/data/<key>)")
+    parser.add_argument("--model", required=True, help="policy HF folder (the dpo stage's output)")
+    parser.add_argument("--out", required=True, help="output directory (results/reward/<key>)")
+    return parser.parse_args()
+
+
+def pass_rate_band(reward_cfg: dict[str, Any]) -> tuple[float, float]:
+    band = reward_cfg["pass_rate_band"]
+    if len(band) != 2 or not 0.0 <= band[0] < band[1] <= 1.0:
+        raise ValueError(f"reward.pass_rate_band must be [low, high] with 0 <= low < high <= 1, got {band}")
+    return float(band[0]), float(band[1])
+
+
+def policy_key(model_dir: str) -> str | None:
+    """The `key` of the policy folder's `posttrain.json` (None for a folder from elsewhere)."""
+    try:
+        return read_provenance(model_dir).get("key")
+    except FileNotFoundError:
+        return None
+
+
+# --- 1. reward model --------------------------------------------------------------------------
+
+
+def pair_rewards(model: RewardModel, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards of a preference batch, in one forward over both sides."""
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]).to(device)
+    lengths = torch.cat([scored_lengths(batch["chosen_labels"]), scored_lengths(batch["rejected_labels"])]).to(device)
+    rewards = model(ids, lengths)
+    return rewards.chunk(2)
+
+
+@torch.no_grad()
+def pairwise_accuracy(model: RewardModel, pairs: Any, pad_id: int, device: torch.device) -> float:
+    """Share of pairs whose chosen completion out-scores the rejected one (ties count as wrong)."""
+    model.eval()
+    wins = []
+    for batch in Batches(pairs, RM_EVAL_BATCH, preference_collate(pad_id), seed=0, shuffle=False, loop=False):
+        chosen, rejected = pair_rewards(model, batch, device)
+        wins += (chosen > rejected).tolist()
+    model.train()
+    return float(np.mean(wins))
+
+
+def train_reward_model(
+    cfg: dict[str, Any], data_dir: str, model_dir: str, pad_id: int, device: torch.device, metrics_path: Path
+) -> tuple[RewardModel, dict[str, Any]]:
+    """Bradley-Terry training on the `preference` split; returns the model and its accuracy numbers."""
+    reward, seed = cfg["reward"], cfg["seed"]
+    seed_everything(seed)
+    model = load_reward_model(model_dir, device=device)
+    pairs = load_split(data_dir, "preference")
+    order = np.random.default_rng([seed, len(pairs)]).permutation(len(pairs))
+    n_held = max(1, int(len(pairs) * RM_HELD_OUT))
+    if len(pairs) - n_held < reward["rm_batch_size"]:
+        raise ValueError(
+            f"{data_dir}/preference: {len(pairs)} pairs leave fewer than reward.rm_batch_size "
+            f"({reward['rm_batch_size']}) to train on after holding out {n_held}"
+        )
+    held_out = pairs.select(np.sort(order[:n_held]))
+    train = Batches(pairs.select(np.sort(order[n_held:])), reward["rm_batch_size"], preference_collate(pad_id), seed=seed)
+    schedule = {"lr": reward["rm_lr"], "steps": reward["rm_steps"], "warmup_steps": reward["rm_steps"] // 10,
+                "min_lr_ratio": 0.1, "max_grad_norm": None if cfg["memory"].get("optimizer_in_backward") else 1.0}
+    optimizer, scheduler = build_optimizer_and_scheduler(model, schedule, cfg["memory"])
+    clip = schedule["max_grad_norm"]
+
+    metrics = MetricsLogger(metrics_path, run_name=f"{STAGE}-rm-{cfg['key']}", config=cfg)
+    accuracy_before = pairwise_accuracy(model, held_out, pad_id, device)
+    metrics.log(0, {"rm/held_out_accuracy": accuracy_before})
+    bar = progress_bar(reward["rm_steps"], 0, True, "reward model")
+    for step in range(1, reward["rm_steps"] + 1):
+        chosen, rejected = pair_rewards(model, next(train), device)
+        loss, stats = bradley_terry_loss(chosen, rejected)
+        loss.backward()
+        grad_norm = clip_grad_norm_(model.parameters(), clip) if not isinstance(optimizer, OptimizerInBackward) else None
+        record = {"rm/loss": loss.item(), "rm/lr": scheduler.get_last_lr()[0], **{f"rm/{k}": v.item() for k, v in stats.items()}}
+        if grad_norm is not None:
+            record["rm/grad_norm"] = grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step % RM_LOG_EVERY == 0 or step == reward["rm_steps"]:
+            record["rm/held_out_accuracy"] = pairwise_accuracy(model, held_out, pad_id, device)
+            bar.set_postfix(loss=f"{record['rm/loss']:.4f}", acc=f"{record['rm/held_out_accuracy']:.3f}", refresh=False)
+        metrics.log(step, record)
+        bar.update(1)
+    bar.close()
+    metrics.close()
+    model.eval()
+    return model, {
+        "rm_held_out_accuracy_before": accuracy_before,
+        "rm_held_out_accuracy": record["rm/held_out_accuracy"],
+        "rm_train_loss_last": record["rm/loss"],
+        "rm_steps": reward["rm_steps"],
+        "rm_train_pairs": len(pairs) - n_held,
+        "rm_held_out_pairs": n_held,
+    }
+
+
+# --- 2. sampling ------------------------------------------------------------------------------
+
+
+def build_backend(name: str, model_dir: str, tok: Tokenizer, cfg: dict[str, Any], device: torch.device) -> GenerationBackend:
+    if name == "native":
+        model = load_hf_model(model_dir, device=device).eval()
+        return NativeBackend(model, tok.pad_id, tok.decode, max_batch_size=GENERATION_BATCH)
+    if name == "vllm":
+        max_len = int(cfg["data"]["max_seq_len"]) + int(cfg["reward"]["max_new_tokens"])
+        return VLLMBackend(model_dir, seed=cfg["seed"], max_model_len=max_len)
+    raise ValueError(f"reward.backend must be native or vllm, got {name!r}")
+
+
+def sample(backend: GenerationBackend, prompt_ids: list[list[int]], k: int, params: SamplingParams, seed: int,
+           per_call: int) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """`k` completions per prompt, prompt after prompt (sample j of prompt i at index i * k + j)."""
+    prompts_per_call = max(1, per_call // k)
+    tokens: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    reasons: list[str] = []
+    with tqdm(total=len(prompt_ids), desc="sample", unit="prompt", dynamic_ncols=True, mininterval=1.0) as bar:
+        for call, start in enumerate(range(0, len(prompt_ids), prompts_per_call)):
+            chunk = prompt_ids[start : start + prompts_per_call]
+            out = backend.generate([p for p in chunk for _ in range(k)], params, seed + call)
+            tokens += out.tokens
+            logprobs += out.logprobs
+            reasons += out.finish_reasons
+            bar.update(len(chunk))
+    return tokens, logprobs, reasons
+
+
+# --- 3. scoring -------------------------------------------------------------------------------
+
+
+def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], prompt_index: list[int], k: int,
+                     verifier_specs: list[str]) -> list[dict[str, float]]:
+    """One {verifier: reward} per sample; a failure is re-raised naming the prompt's split index."""
+    try:
+        return score(completions, [examples[i // k] for i in range(len(completions))], load_verifiers(verifier_specs))
+    except VerifierError as e:
+        i = e.index // k
+        # The cause, as `score` worded it after naming the (sample) index.
+        prefix = str(VerifierError(e.verifier, e.index, examples[i], "\0")).partition("\0")[0]
+        cause = str(e).removeprefix(prefix)
+        raise VerifierError(e.verifier, prompt_index[i], examples[i], f"sample {e.index % k}: {cause}") from e.__cause__
+
+
+# --- 4./5. prompt filter and pairs ------------------------------------------------------------
+
+
+def grpo_prompts(rates: pd.DataFrame, band: tuple[float, float]) -> tuple[pd.Series, str | None]:
+    """(mask of prompts with low < pass rate < high, None); every prompt and the reason when none is inside."""
+    low, high = band
+    keep = (rates["pass_rate"] > low) & (rates["pass_rate"] < high)
+    if keep.any():
+        return keep, None
+    never, always = int((rates["pass_rate"] == 0).sum()), int((rates["pass_rate"] == 1).sum())
+    reason = (
+        f"no prompt has a pass rate strictly inside reward.pass_rate_band {[low, high]} ({len(rates)} prompts: "
+        f"{never} never solved, {always} always solved), so all {len(rates)} are kept for GRPO, which gets no "
+        "group-relative signal from them; widen the band, raise reward.samples_per_prompt or "
+        "reward.temperature, or train the policy further"
+    )
+    return pd.Series(True, index=rates.index), reason
+
+
+def best_vs_worst(rollouts: pd.DataFrame, prompts: dict[int, Any]) -> pd.DataFrame:
+    """Per prompt whose rewards differ: its best sample (chosen) and worst (rejected), earliest on ties."""
+    rows = []
+    for index, group in rollouts.groupby("prompt_index", sort=True):
+        rewards = group["reward"].to_numpy()
+        if rewards.max() == rewards.min():
+            continue
+        best, worst = group.iloc[int(rewards.argmax())], group.iloc[int(rewards.argmin())]
+        rows.append({
+            "prompt_index": int(index),
+            "prompt_id": best["prompt_id"],
+            "prompt": prompts[int(index)],
+            "chosen": best["completion"],
+            "rejected": worst["completion"],
+            "chosen_reward": float(best["reward"]),
+            "rejected_reward": float(worst["reward"]),
+        })
+    columns = ["prompt_index", "prompt_id", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def as_messages(prompt: Any) -> list[dict[str, str]]:
+    """A prompts-split prompt (one user string or a message list) as a message list."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.time()
+    cfg = load_resolved_config(args.config)
+    reward, seed = cfg["reward"], cfg["seed"]
+    band = pass_rate_band(reward)
+    k = int(reward["samples_per_prompt"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = Tokenizer(Path(args.data) / "tokenizer")
+    split = load_split(args.data, "prompts")
+    n = int(reward["n_prompts"])
+    if n > len(split):
+        raise ValueError(f"reward.n_prompts is {n} but {args.data}/prompts has {len(split)} rows (data.n_prompts)")
+    rows = split.select(range(n)).to_list()
+    examples = [json.loads(r["example"]) for r in rows]
+    prompt_index = list(range(n))
+    key = policy_key(args.model)
+    timing: dict[str, float] = {}
+
+    with atomic_dir(args.out) as out:
+        rm, rm_stats = None, {}
+        if reward["reward_model"]:
+            t0 = time.perf_counter()
+            rm, rm_stats = train_reward_model(cfg, args.data, args.model, tok.pad_id, device, out / "rm" / "metrics.jsonl")
+            save_reward_model(rm, out / "rm", tok.pad_id)
+            tok.save(out / "rm")
+            write_provenance(out / "rm", cfg, STAGE, started, rm_stats)
+            timing["rm_train_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        backend = build_backend(reward["backend"], args.model, tok, cfg, device)
+        timing["backend_start_s"] = time.perf_counter() - t0
+        params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
+                                stop_token_ids=tok.eos_ids)
+        prompt_ids = [list(r["prompt_ids"]) for r in rows]
+        t0 = time.perf_counter()
+        per_call = VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH
+        tokens, logprobs, reasons = sample(backend, prompt_ids, k, params, seed, per_call)
+        timing["sample_s"] = time.perf_counter() - t0
+        del backend
+
+        completions = tok.decode_batch(tokens)
+        components = verifier_rewards(completions, examples, prompt_index, k, list(reward["verifiers"]))
+        first_verifier = reward["verifiers"][0]
+        if rm is not None:
+            sequences = [prompt_ids[i // k] + t for i, t in enumerate(tokens)]
+            for c, value in zip(components, score_sequences(rm, sequences, tok.pad_id)):
+                c["rm"] = value
+
+        rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
+        rollouts = pd.DataFrame({
+            "prompt_index": [prompt_index[i // k] for i in range(len(tokens))],
+            "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
+            "sample": [i % k for i in range(len(tokens))],
+            "prompt": [rendered[i // k] for i in range(len(tokens))],
+            "completion": completions,
+            "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
+            "completion_ids": tokens,
+            "logprobs": logprobs,
+            "finish_reason": reasons,
+            **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
+            "reward": [sum(c.values()) for c in components],
+            "correct": [is_correct(c, first_verifier) for c in components],
+            "policy_key": [key] * len(tokens),
+        })
+
+        grouped = rollouts.groupby("prompt_index", sort=True)
+        rates = pd.DataFrame({
+            "prompt_index": prompt_index,
+            "prompt_id": [r["id"] for r in rows],
+            "task": [r["task"] for r in rows],
+            "samples": k,
+            "correct": grouped["correct"].sum().astype(int).to_numpy(),
+            "pass_rate": grouped["correct"].mean().to_numpy(),
+            "reward_mean": grouped["reward"].mean().to_numpy(),
+            "reward_std": grouped["reward"].std(ddof=0).to_numpy(),
+        })
+        keep, fallback = grpo_prompts(rates, band)
+        if fallback:
+            print(f"{STAGE}: warning: {fallback}", file=sys.stderr, flush=True)
+        kept = pd.DataFrame(rows)[keep.to_numpy()].assign(prompt_index=rates["prompt_index"][keep], pass_rate=rates["pass_rate"][keep])
+        pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in prompt_index})
+
+        rollouts.to_parquet(out / "rollouts.parquet", index=False)
+        rates.to_parquet(out / "pass_rates.parquet", index=False)
+        kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)
+        pairs.to_parquet(out / "pairs.parquet", index=False)
+
+        lengths = [len(t) for t in tokens]
+        stats = {
+            "policy_key": key,
+            "backend": reward["backend"],
+            "n_prompts": n,
+            "samples_per_prompt": k,
+            "rollouts": len(tokens),
+            "reward_mean": float(rollouts["reward"].mean()),
+            "reward_mean_by_component": {name: float(rollouts[f"reward/{name}"].mean()) for name in components[0]},
+            "correct_rate": float(rollouts["correct"].mean()),
+            "pass_rate_mean": float(rates["pass_rate"].mean()),
+            "never_solved": int((rates["pass_rate"] == 0).sum()),
+            "always_solved": int((rates["pass_rate"] == 1).sum()),
+            "pass_rate_band": [band[0], band[1]],
+            "grpo_prompts": int(keep.sum()),
+            "grpo_prompts_fallback": fallback,
+            "pairs": len(pairs),
+            "response_len_mean": statistics.fmean(lengths),
+            "truncated": statistics.fmean(r == "length" for r in reasons),
+            **rm_stats,
+        }
+        (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        timing["rollouts_per_s"] = len(tokens) / timing["sample_s"]
+        timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
+        write_provenance(out, cfg, STAGE, started, {**stats, **timing})
+    print(json.dumps({"out": args.out, **{k_: stats[k_] for k_ in ("rollouts", "pass_rate_mean", "grpo_prompts", "pairs")},
+                      "rollouts_per_s": round(timing["rollouts_per_s"], 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    with exit_on_known_errors(STAGE, extra=(VerifierError,)):
+        main()
