@@ -16,7 +16,7 @@ memory while training); `online` scores each batch with a frozen copy (full) or 
 adapters disabled (LoRA/QLoRA). SimPO needs no reference.
 
 Held-out pairs come from the `eval` split (each task's answer vs. its plausible mistake). Before
-training the starting model's likelihood ranking of them is measured (`pref_acc_sft`: share of
+training the starting model's likelihood ranking of them is measured (`likelihood_acc_sft`: share of
 pairs whose chosen completion it finds more likely, per token for IPO/SimPO); after training the
 DPO model's implicit-reward accuracy (`pref_acc`) and its own likelihood ranking
 (`likelihood_acc`). Resume state lives in `<out>.resume/`; rerunning the same command continues
@@ -102,11 +102,11 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
     """The training pair batches of this rank and the files they come from (for the reference cache key)."""
     if cfg["dpo"]["pairs"] == "offline":
         if args.pairs:
-            raise ValueError("--pairs is given but dpo.pairs is offline; set dpo.pairs: on_policy to train on it")
+            raise DataError("--pairs is given but dpo.pairs is offline; set dpo.pairs: on_policy to train on it")
         batches = preference_batches(args.data, micro, seed=cfg["seed"], rank=rank, world_size=size)
         return batches, sorted((Path(args.data) / "preference").glob("data-*.arrow"))
     if not args.pairs:
-        raise ValueError("dpo.pairs is on_policy: pass the reward stage's pairs file with --pairs")
+        raise DataError("dpo.pairs is on_policy: pass the reward stage's pairs file with --pairs")
     dataset = on_policy_pairs(args.pairs, tok, cfg["data"])
     return Batches(dataset, micro, preference_collate(tok.pad_id), seed=cfg["seed"], rank=rank, world_size=size), [Path(args.pairs)]
 
@@ -211,9 +211,9 @@ def main() -> None:
                             run_name=f"{STAGE}-{cfg['key']}", config=cfg)
     stop = StopOnSignal()
     guard = NonFiniteLossGuard(dpo.get("skip_nonfinite", 0), "dpo.skip_nonfinite", skip_possible=not in_backward)
-    pref_acc_sft = likelihood_accuracy(held_out_ref, per_token) if held_out_ref is not None else None
-    if resumed is None and pref_acc_sft is not None:
-        metrics.log(0, {"eval/likelihood_acc": pref_acc_sft})
+    likelihood_acc_sft = likelihood_accuracy(held_out_ref, per_token) if held_out_ref is not None else None
+    if resumed is None and likelihood_acc_sft is not None:
+        metrics.log(0, {"eval/likelihood_acc": likelihood_acc_sft})
 
     # --- training loop ---
     bar = progress_bar(steps, start_step, info.is_main, STAGE)
@@ -280,7 +280,7 @@ def main() -> None:
         evaluation = {"pref_acc": float(pair_metrics["rewards/accuracy"]), "pref_margin": float(pair_metrics["rewards/margin"]),
                       "likelihood_acc": likelihood_accuracy(policy, per_token)}
         metrics.log(steps, {f"eval/{k}": v for k, v in evaluation.items()})
-        summary.update(evaluation, pref_acc_sft=pref_acc_sft, pref_pairs=len(held_out))
+        summary.update(evaluation, likelihood_acc_sft=likelihood_acc_sft, pref_pairs=len(held_out))
     else:
         summary.update(pref_acc=None, pref_acc_note=f"{args.data}: no eval row carries response and rejected_response")
     metrics.close()
