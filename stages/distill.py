@@ -193,11 +193,10 @@ def distill_loss(
     distill: Mapping[str, Any],
     memory: Mapping[str, Any],
     mesh: DeviceMesh | None,
-    ce_weight: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The KD loss summed over the batch's trained tokens, and its summed divergence / cross-entropy.
 
-    The teacher's forward runs without gradients; `ce_weight` overrides `distill.ce_weight`.
+    The teacher's forward runs without gradients.
     """
     inputs = {"position_ids": batch["position_ids"], "document_ids": batch["document_ids"]}
     student_hidden = _plain(student(batch["input_ids"], **inputs))
@@ -213,7 +212,7 @@ def distill_loss(
         kind=distill["loss"],
         beta=float(distill["jsd_beta"]),
         temperature=float(distill["temperature"]),
-        ce_weight=float(distill["ce_weight"] if ce_weight is None else ce_weight),
+        ce_weight=float(distill["ce_weight"]),
         num_chunks=int(memory["ce_chunks"]) if chunked else 1,
         checkpoint_chunks=chunked,
         reduction="sum",
