@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posttrain.data.chat import IGNORE_INDEX
+from posttrain.losses.chunked import IGNORE_INDEX
 
 
 def best_fit_decreasing(lengths: Sequence[int], max_len: int) -> list[list[int]]:
