@@ -1,0 +1,209 @@
+"""posttrain vs TRL on the same workloads: useful tokens/s, steps/s, peak memory and final loss, side by side.
+
+    python benchmarks/peers/run.py [--workloads sft,dpo,grpo] [--steps 4] [--warmup 1] [--rounds 1] [--json out.json]
+
+Workloads (`sft` stands for both SFT layouts): `sft_padded`, `sft_packed`, `dpo`, `grpo`. Both
+sides start from one random-init Qwen3-architecture model saved once as an HF folder, train on
+the same synthetic data with the same batch size, sequence length, AdamW settings and precision
+(float32 on CPU); `peers_common.py` defines the data and what counts as a useful token,
+`peers_ours.py` and `peers_trl.py` the two sides. Every run is a fresh process
+(`benchmarks/_memory.py`, forked from a server that imported the libraries once), and the runs
+alternate: for each workload and round, posttrain then TRL, so a change of machine load hits
+both sides alike. The ratios printed at the end come from this one invocation. Targets (issue
+12): SFT useful tokens/s >= 1.5x TRL (padded and packed), peak memory <= 0.7x TRL, DPO and GRPO
+steps/s >= 1.0x TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers_common import BENCHMARKS, WORKLOADS, Documents, Settings, build_model_folder, model_config  # noqa: E402
+
+from _memory import peak_memory  # noqa: E402
+
+SIDES = ("posttrain", "trl")
+TARGETS = {"tokens_per_s": 1.5, "steps_per_s": 1.0, "memory": 0.7}
+
+
+def setup_job(side: str, workload: str, folder: Path, s: Settings, threads: int,
+              documents: Documents | None = None) -> dict[str, Any]:
+    """Build one side's trainer state for `workload` (in the measuring child, not timed); SFT may get its documents."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(s.seed)
+    module = _side_module(side)
+    if workload.startswith("sft_"):
+        state = module.setup_sft(folder, s, packed=workload == "sft_packed", documents=documents)
+    else:
+        state = getattr(module, f"setup_{workload}")(folder, s)
+    return {**state, "side": side}
+
+
+def run_job(state: dict[str, Any]) -> dict[str, Any]:
+    """The warm-up and timed steps (measured for peak memory)."""
+    return _side_module(state["side"]).run(state)
+
+
+def _side_module(side: str):
+    return importlib.import_module("peers_ours" if side == "posttrain" else "peers_trl")
+
+
+def parse_workloads(text: str) -> list[str]:
+    names: list[str] = []
+    for name in text.split(","):
+        expanded = ["sft_padded", "sft_packed"] if name == "sft" else [name]
+        for n in expanded:
+            if n not in WORKLOADS:
+                raise SystemExit(f"--workloads: unknown workload {n!r}; choose from sft, {', '.join(WORKLOADS)}")
+            names.append(n)
+    return list(dict.fromkeys(names))
+
+
+def environment(threads: int) -> dict[str, Any]:
+    import accelerate
+    import torch
+    import transformers
+    import trl
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCHMARKS, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu, "cores": os.cpu_count(),
+        "torch_threads": threads, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "trl": trl.__version__, "accelerate": accelerate.__version__,
+        "commit": commit,
+    }
+
+
+def summarize(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per side: tokens/s and steps/s over all rounds' timed windows, worst peak memory, final loss of round 1."""
+    out: dict[str, Any] = {"workload": workload}
+    for side in SIDES:
+        mine = [r for r in runs if r["side"] == side]
+        seconds = sum(r["seconds"] for r in mine)
+        out[side] = {
+            "tokens_per_s": sum(r["useful_tokens"] for r in mine) / seconds,
+            "steps_per_s": sum(r["steps"] for r in mine) / seconds,
+            "peak_total_mib": max(r["peak_total_mib"] for r in mine),
+            "peak_step_mib": max(r["peak_step_mib"] for r in mine),
+            "final_loss": mine[0]["losses"][-1],
+        }
+    ours, theirs = out["posttrain"], out["trl"]
+    out["ratios"] = {
+        "tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
+        "peak_total": ours["peak_total_mib"] / theirs["peak_total_mib"],
+        "peak_step": ours["peak_step_mib"] / theirs["peak_step_mib"],
+    }
+    speed_key = "tokens_per_s" if workload.startswith("sft") else "steps_per_s"
+    out["targets"] = {
+        speed_key: out["ratios"][speed_key] >= TARGETS[speed_key],
+        "memory (process)": out["ratios"]["peak_total"] <= TARGETS["memory"],
+        "memory (training)": out["ratios"]["peak_step"] <= TARGETS["memory"],
+    }
+    return out
+
+
+def print_table(summaries: list[dict[str, Any]]) -> None:
+    head = (f"{'workload':11} {'side':9} {'useful tok/s':>12} {'steps/s':>8} {'peak MiB':>9} {'step MiB':>9} "
+            f"{'final loss':>11}")
+    print(head)
+    for row in summaries:
+        for side in SIDES:
+            r = row[side]
+            print(f"{row['workload']:11} {side:9} {r['tokens_per_s']:12.1f} {r['steps_per_s']:8.3f} "
+                  f"{r['peak_total_mib']:9.0f} {r['peak_step_mib']:9.0f} {r['final_loss']:11.5g}")
+    print("\nposttrain / TRL (this run)")
+    print(f"{'workload':11} {'tok/s':>7} {'steps/s':>8} {'peak':>6} {'step peak':>10}  targets")
+    for row in summaries:
+        q = row["ratios"]
+        verdict = ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in row["targets"].items())
+        print(f"{row['workload']:11} {q['tokens_per_s']:7.2f} {q['steps_per_s']:8.2f} {q['peak_total']:6.2f} "
+              f"{q['peak_step']:10.2f}  {verdict}")
+    print(f"targets: SFT useful tokens/s >= {TARGETS['tokens_per_s']}x, DPO/GRPO steps/s >= "
+          f"{TARGETS['steps_per_s']}x, peak memory <= {TARGETS['memory']}x: of the whole process (peak MiB: "
+          "libraries, model, data, training) and of training alone (step MiB: the peak above the state after setup)")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="sft,dpo,grpo", help="comma-separated: sft, sft_padded, sft_packed, dpo, grpo")
+    parser.add_argument("--steps", type=int, default=Settings.steps, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=Settings.warmup, help="untimed steps before them (>= 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="posttrain/TRL run pairs per workload")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per run (0: torch's default); 1 avoids OpenMP spin contention on a loaded machine")
+    parser.add_argument("--seq", type=int, default=Settings.seq)
+    parser.add_argument("--vocab", type=int, default=Settings.vocab)
+    parser.add_argument("--hidden", type=int, default=Settings.hidden)
+    parser.add_argument("--layers", type=int, default=Settings.layers)
+    parser.add_argument("--json", type=Path, help="write settings, environment, every run and the ratios here")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--warmup, --steps and --rounds must be >= 1 (the first step holds lazy initializations)")
+    workloads = parse_workloads(args.workloads)
+    s = Settings(steps=args.steps, warmup=args.warmup, seq=args.seq, vocab=args.vocab, hidden=args.hidden,
+                 layers=args.layers)
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["peers_ours", "peers_trl"])
+    env = environment(args.threads)
+    env["load_average_start"] = os.getloadavg()
+    print(f"{env['date']}  {env['cpu']} ({env['cores']} cores), load {env['load_average_start'][0]:.1f}, "
+          f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, {args.threads} thread(s)")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="peers-") as work:
+        folder = build_model_folder(model_config(s), Path(work) / "model", seed=s.seed)
+        for workload in workloads:
+            for round_ in range(args.rounds):
+                for side in SIDES:
+                    m = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu",
+                                    start_method="forkserver")
+                    r = m.result
+                    row = {"workload": workload, "side": side, "round": round_, **r,
+                           "peak_step_mib": m.peak_mib, "peak_total_mib": m.baseline_mib + m.peak_mib,
+                           "setup_mib": m.baseline_mib}
+                    runs.append(row)
+                    print(f"  {workload:11} {side:9} round {round_ + 1}: {r['useful_tokens'] / r['seconds']:8.1f} "
+                          f"useful tok/s, {r['seconds'] / r['steps']:6.2f} s/step, peak {row['peak_total_mib']:6.0f} MiB, "
+                          f"loss {r['losses'][-1]:.5g}", flush=True)
+    env["load_average_end"] = os.getloadavg()
+    summaries = [summarize(w, [r for r in runs if r["workload"] == w]) for w in workloads]
+    print()
+    print_table(summaries)
+    result = {"settings": s.as_dict(), "rounds": args.rounds, "environment": env, "runs": runs, "summary": summaries}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
