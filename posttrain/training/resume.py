@@ -191,9 +191,15 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     ) -> ResumePoint | None:
-        """Restore the newest checkpoint into model, optimizers, scheduler and RNGs; None when there is none."""
+        """Restore the newest checkpoint into model, optimizers, scheduler and RNGs; None when there is none.
+
+        With none, the run starts over: live metrics that a killed run logged before its first
+        checkpoint are dropped, or the new run's records would follow them.
+        """
         path = self.latest()
         if path is None:
+            if self.rank == 0:
+                self.metrics_path.unlink(missing_ok=True)
             return None
         record_path = path / f"rank-{self.rank}.json"
         if not record_path.exists():
