@@ -224,9 +224,9 @@ def sample(backend: GenerationBackend, prompt_ids: list[list[int]], k: int, para
 # --- 3. scoring -------------------------------------------------------------------------------
 
 
-def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], prompt_index: list[int], k: int,
+def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], k: int,
                      verifier_specs: list[str]) -> list[dict[str, float]]:
-    """One {verifier: reward} per sample; a failure is re-raised naming the prompt's split index."""
+    """One {verifier: reward} per sample (sample i of prompt i // k); a failure names the prompt's index."""
     try:
         return score(completions, [examples[i // k] for i in range(len(completions))], load_verifiers(verifier_specs))
     except VerifierError as e:
@@ -234,7 +234,7 @@ def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], pro
         # The cause, as `score` worded it after naming the (sample) index.
         prefix = str(VerifierError(e.verifier, e.index, examples[i], "\0")).partition("\0")[0]
         cause = str(e).removeprefix(prefix)
-        raise VerifierError(e.verifier, prompt_index[i], examples[i], f"sample {e.index % k}: {cause}") from e.__cause__
+        raise VerifierError(e.verifier, i, examples[i], f"sample {e.index % k}: {cause}") from e.__cause__
 
 
 # --- 4./5. prompt filter and pairs ------------------------------------------------------------
@@ -296,8 +296,7 @@ def main() -> None:
     if n > len(split):
         raise ValueError(f"reward.n_prompts is {n} but {args.data}/prompts has {len(split)} rows (data.n_prompts)")
     rows = split.select(range(n)).to_list()
-    examples = [json.loads(r["example"]) for r in rows]
-    prompt_index = list(range(n))
+    examples = [json.loads(r["example"]) for r in rows]  # row i of the split is prompt index i
     key = policy_key(args.model)
     timing: dict[str, float] = {}
 
@@ -306,7 +305,7 @@ def main() -> None:
         if reward["reward_model"]:
             t0 = time.perf_counter()
             rm, rm_stats = train_reward_model(cfg, args.data, args.model, tok.pad_id, device, out / "rm" / "metrics.jsonl")
-            save_reward_model(rm, out / "rm", tok.pad_id)
+            save_reward_model(rm, out / "rm", tok.pad_id, dtype=getattr(torch, cfg["model"]["dtype"]))
             tok.save(out / "rm")
             write_provenance(out / "rm", cfg, STAGE, started, rm_stats)
             timing["rm_train_s"] = time.perf_counter() - t0
@@ -324,7 +323,7 @@ def main() -> None:
         del backend
 
         completions = tok.decode_batch(tokens)
-        components = verifier_rewards(completions, examples, prompt_index, k, list(reward["verifiers"]))
+        components = verifier_rewards(completions, examples, k, list(reward["verifiers"]))
         first_verifier = reward["verifiers"][0]
         if rm is not None:
             sequences = [prompt_ids[i // k] + t for i, t in enumerate(tokens)]
@@ -333,7 +332,7 @@ def main() -> None:
 
         rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
         rollouts = pd.DataFrame({
-            "prompt_index": [prompt_index[i // k] for i in range(len(tokens))],
+            "prompt_index": [i // k for i in range(len(tokens))],
             "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
             "sample": [i % k for i in range(len(tokens))],
             "prompt": [rendered[i // k] for i in range(len(tokens))],
@@ -350,7 +349,7 @@ def main() -> None:
 
         grouped = rollouts.groupby("prompt_index", sort=True)
         rates = pd.DataFrame({
-            "prompt_index": prompt_index,
+            "prompt_index": range(n),
             "prompt_id": [r["id"] for r in rows],
             "task": [r["task"] for r in rows],
             "samples": k,
@@ -363,7 +362,7 @@ def main() -> None:
         if fallback:
             print(f"{STAGE}: warning: {fallback}", file=sys.stderr, flush=True)
         kept = pd.DataFrame(rows)[keep.to_numpy()].assign(prompt_index=rates["prompt_index"][keep], pass_rate=rates["pass_rate"][keep])
-        pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in prompt_index})
+        pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in range(n)})
 
         rollouts.to_parquet(out / "rollouts.parquet", index=False)
         rates.to_parquet(out / "pass_rates.parquet", index=False)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from posttrain.checkpoint import save_hf_model
+from posttrain.data.sources import canonical_rows, load_source
 from posttrain.data.store import load_split
 from posttrain.generation import GenerationOutput, SamplingParams
 from posttrain.models import Transformer, preset_config
@@ -210,6 +211,9 @@ def test_filtered_prompts_match_the_pass_rate_band(setup, tmp_path, monkeypatch,
         user = json.loads(setup["rows"][row.prompt_index]["example"])["prompt"]
         assert list(row.prompt) == [{"role": "user", "content": user}]
         assert (row.chosen_reward, row.rejected_reward) == (1.0, 0.0)
+    # ... in the preference-source format that DPO's on-policy mode reads.
+    as_source, _ = canonical_rows(load_source(str(out / "pairs.parquet")), "preference", "pairs.parquet")
+    assert [r["chosen"][0]["content"] for r in as_source] == pairs["chosen"].tolist()
 
 
 def test_band_with_no_prompt_inside_keeps_all_and_says_why(setup, tmp_path, monkeypatch, capsys):
