@@ -135,6 +135,14 @@ def broadcast_from_main(value: Any) -> Any:
     return box[0]
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def policy_logprobs(model: Transformer, batch: MicroBatch, mesh: DeviceMesh | None, memory: dict[str, Any],
                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropies [b, L] of the completions under logits / temperature, as sampled.
@@ -230,7 +238,7 @@ def main() -> None:
     metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg.get("loggers", ()),
                             run_name=f"{STAGE}-{cfg['key']}", config=cfg)
     stop = StopOnSignal()
-    guard = NonFiniteLossGuard(grpo.get("skip_nonfinite", 0), "grpo.skip_nonfinite", skip_possible=not in_backward)
+    guard = NonFiniteLossGuard(grpo["skip_nonfinite"], "grpo.skip_nonfinite", skip_possible=not in_backward)
 
     if resumed is None:
         eval_before = held_out_accuracy(eval_worker, held_out, mesh, info.device)
@@ -272,6 +280,7 @@ def main() -> None:
                 sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight"), 0.0)
                 grad_norm = None
                 skipped = False
+                gap_max = 0.0  # largest |trainer - generator| token log-prob at the step's starting weights
                 for epoch in range(int(grpo["inner_epochs"])):
                     for i, batch in enumerate(batches):
                         batch = batch.to(info.device)
@@ -299,6 +308,7 @@ def main() -> None:
                             sums["entropy"] += float((entropy.detach() * batch.mask).sum())
                             log_gap = (batch.generator_logprobs - logp.detach()) * batch.mask
                             sums["generator_kl"] += float((log_gap.exp() - log_gap - 1).sum())
+                            gap_max = max(gap_max, float(log_gap.abs().max()))
                     grad_norm = None if in_backward else clip_grad_norm_(model.parameters(), clip)
                     (step_loss,) = data_parallel_sum([sums["loss"]], mesh, info.device)
                     if guard.should_skip(step, step_loss, grad_norm, checkpointer.latest()):
@@ -329,6 +339,7 @@ def main() -> None:
                     "entropy": entropy_sum / max(step_tokens, 1),
                     "clip_frac": clip_sum / max(step_tokens * passes, 1),
                     "generator_kl": gen_kl_sum / max(step_tokens, 1),
+                    "logprob_gap_max": max_over_ranks(gap_max, info.device),
                     "tis_weight_mean": tis_sum / max(step_tokens * passes, 1),
                     "lr": lr,
                     "policy_version": version - 1, "generator_version": rollouts.version,
@@ -353,14 +364,14 @@ def main() -> None:
                     bar.write(f"step {step}/{steps} " + json.dumps({k_: round(v, 5) if isinstance(v, float) else v
                                                                     for k_, v in record.items()}))
 
-                if checkpointer.due(step, steps) or (step < steps and stop.requested()):
-                    data_state = {"policy_version": version, "eval_accuracy_before": eval_before,
-                                  "feed": feed.state_after(rollouts.ticket) if feed is not None else None}
-                    saved = checkpointer.save(step, model, optimizer, scheduler, data_state)
-                    if step < steps and stop.requested():
-                        bar.close()
-                        metrics.close()
-                        stop.exit(step, saved)
+                data_state = {"policy_version": version, "eval_accuracy_before": eval_before,
+                              "feed": feed.state_after(rollouts.ticket) if feed is not None else None}
+                saved = checkpointer.save(step, model, optimizer, scheduler, data_state) if checkpointer.due(step, steps) else None
+                if step < steps and stop.requested():
+                    saved = saved or checkpointer.save(step, model, optimizer, scheduler, data_state)
+                    bar.close()
+                    metrics.close()
+                    stop.exit(step, saved)
                 kill_if_requested(step)
     finally:
         if isinstance(collector, RayCollector):
