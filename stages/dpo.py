@@ -145,7 +145,7 @@ def main() -> None:
     uses_reference = dpo["loss"] != "simpo"
     per_token = dpo["loss"] in ("ipo", "simpo")
 
-    # --- setup: processes, model (+ reference), data ---
+    # --- setup: processes, model, optimizer, data ---
     info = init_distributed()
     mesh = build_mesh(info, tp=cfg["parallel"]["tp"], dp_replicate=cfg["parallel"]["dp_replicate"])
     dp_rank, dp_size = data_parallel_rank(mesh)
@@ -158,6 +158,9 @@ def main() -> None:
     rows_per_rank = micro // dp_size
     train, pair_files = training_pairs(args, cfg, tokenizer, micro, dp_rank, dp_size)
     held_out = held_out_pairs(args.data, tokenizer, int(cfg["data"]["max_seq_len"]), cfg["seed"])
+    optimizer, scheduler = build_optimizer_and_scheduler(model, dpo, memory)
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    clip = max_grad_norm(dpo)
     checkpointer = Checkpointer(args.out, every=dpo["checkpoint_every"], key=cfg["key"])
 
     # --- reference pass: runs before any checkpoint is loaded, so the weights are the starting model's ---
@@ -191,14 +194,11 @@ def main() -> None:
         reference = PrecomputedReference(cached["train_chosen"], cached["train_rejected"])
     elif uses_reference and dpo["method"] == "full":
         frozen = build_model(args.model, hf_config, info, mesh, cfg, "full").requires_grad_(False).eval()
-        reference = OnlineReference(frozen, mesh, memory)
+        reference = OnlineReference(frozen, mesh, memory, release=True)
     elif uses_reference:
         reference = OnlineReference(model, mesh, memory)  # LoRA/QLoRA: the policy with its adapters disabled
 
-    # --- optimizer, resume state, logging ---
-    optimizer, scheduler = build_optimizer_and_scheduler(model, dpo, memory)
-    in_backward = isinstance(optimizer, OptimizerInBackward)
-    clip = max_grad_norm(dpo)
+    # --- resume state, logging ---
     resumed = checkpointer.load(model, optimizer, scheduler)
     start_step = 0
     if resumed is not None:

@@ -10,7 +10,7 @@ from posttrain.dpo.reference import (
     reference_cache_path,
     save_cache,
 )
-from posttrain.dpo.scoring import PairLogps, completion_logprobs, pair_logprobs, score_pairs
+from posttrain.dpo.scoring import PairLogps, completion_logprobs, pair_logprobs, reshard, score_pairs
 
 __all__ = [
     "OnlineReference",
@@ -23,6 +23,7 @@ __all__ = [
     "model_files",
     "pair_logprobs",
     "reference_cache_path",
+    "reshard",
     "save_cache",
     "score_pairs",
 ]

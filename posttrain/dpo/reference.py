@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.checkpoint import resolve_model_source
-from posttrain.dpo.scoring import pair_logprobs
+from posttrain.dpo.scoring import pair_logprobs, reshard
 from posttrain.models import Transformer, is_preset
 from posttrain.models.lora import disable_adapters
 from posttrain.training.resume import resume_dir
@@ -102,14 +102,17 @@ class OnlineReference:
     """Reference log-probs computed for each batch under no_grad.
 
     `model` is a frozen copy (full fine-tuning) or the policy itself: its LoRA adapters are
-    disabled for the reference forward, which then runs the frozen base weights.
+    disabled for the reference forward, which then runs the frozen base weights. A frozen FSDP2
+    copy is resharded after each forward (`release=True`), so only its shards stay in memory.
     """
 
-    def __init__(self, model: Transformer, mesh: DeviceMesh | None, memory: Mapping[str, Any]):
-        self.model, self.mesh, self.memory = model, mesh, memory
+    def __init__(self, model: Transformer, mesh: DeviceMesh | None, memory: Mapping[str, Any], release: bool = False):
+        self.model, self.mesh, self.memory, self.release = model, mesh, memory, release
 
     @torch.no_grad()
     def __call__(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         with disable_adapters(self.model):
             out = pair_logprobs(self.model, batch, self.mesh, self.memory)
+        if self.release:
+            reshard(self.model)
         return out.chosen, out.rejected

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 
 from posttrain.losses import IGNORE_INDEX, sequence_logprobs
@@ -69,6 +70,18 @@ def pair_logprobs(
     return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Give every FSDP2 module its sharded parameters back after no-grad forwards.
+
+    FSDP2 leaves the root (and the last block) unsharded after a forward, expecting a backward to
+    reshard them; without one, `model.parameters()` would keep returning the gathered tensors (the
+    wrong objects for an optimizer or a checkpoint) and their memory would stay allocated.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -114,6 +127,7 @@ def score_pairs(
             totals[torch.from_numpy(real)] += values[:k].double().cpu()
             seen[torch.from_numpy(real)] += 1
     model.train(was_training)
+    reshard(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
         packed = torch.cat([totals, seen[:, None]], dim=1).to(device)
         dist.all_reduce(packed)
