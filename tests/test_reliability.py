@@ -1,14 +1,16 @@
 """Reliability, reproducibility and security guarantees (issue 11) not shown by the stage tests.
 
 Shown elsewhere, not repeated here: SFT kill/resume, SIGTERM, NaN stop and a kill during the final
-save (test_resume.py); distillation resume (test_distill.py); config and ablation errors, bad
-variant names, the 20-variant plan time (test_workflow*.py); bad model folders (test_checkpoint.py);
-bad data rows (test_data_sources.py); the export's token scrubbing (test_export.py).
+save (test_resume.py); fixed-step kill/resume of DPO, GRPO and distillation (test_dpo_stage.py,
+test_grpo.py, test_distill.py); config and ablation errors, bad variant names, the 20-variant plan
+time (test_workflow*.py); bad model folders (test_checkpoint.py); bad data rows
+(test_data_sources.py); the export's token scrubbing (test_export.py).
 
-Here: byte-identical reruns and provenance, SIGKILL at a random step and SIGTERM for DPO and GRPO
-resumed bitwise, skipping non-finite batches, the OOM hint, one error line per bad input from the
-stage scripts themselves with nothing lost, source checks (no pickle loads, no remote code, Ray on
-loopback, outputs written atomically), no token in any output, and Snakemake's lock.
+Here: byte-identical reruns and provenance; SIGKILL at a random step (GRPO) and SIGTERM (DPO, GRPO)
+resumed bitwise, and a kill before the first checkpoint; skipping non-finite batches; the OOM hint;
+one error line per bad input from the stage scripts themselves, nothing lost; source checks (no
+pickle loads, no remote code, Ray on loopback, outputs written atomically); no token in any
+output; Snakemake's lock.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def test_provenance_records_seed_versions_commit_and_resolved_config(reference):
     assert record["metrics"]["steps"] == SECTIONS["sft"]["steps"]
 
 
-# --- interrupted runs resume bitwise (SFT and distillation: test_resume.py, test_distill.py) ---
+# --- interrupted runs resume bitwise ---
 
 
 def _interrupt_with_sigterm(stage: str, cfg: dict[str, Any], out: Path, data: Path, model: Path) -> tuple[int, str]:
@@ -173,8 +175,10 @@ def _interrupt_with_sigterm(stage: str, cfg: dict[str, Any], out: Path, data: Pa
     return proc.returncode, stderr
 
 
+# Fixed-step SIGKILL resumes of each stage are in its own tests; here the step is random (before the first
+# checkpoint, too) and SIGTERM (only SFT's is tested elsewhere) must leave a resumable checkpoint.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,interrupt", [("dpo", "sigkill"), ("grpo", "sigkill"), ("grpo", "sigterm")])
+@pytest.mark.parametrize("stage,interrupt", [("grpo", "sigkill"), ("dpo", "sigterm"), ("grpo", "sigterm")])
 def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data_dir, start_model, tmp_path):
     steps, every = SECTIONS[stage]["steps"], SECTIONS[stage]["checkpoint_every"]
     cfg = stage_config(stage)
@@ -183,20 +187,20 @@ def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data
         kill_step = random.randrange(1, steps)  # the process dies right after this step
         killed = run_stage(stage, cfg, out, data_dir, start_model, check=False, **{KILL_AT_STEP_ENV: str(kill_step)})
         assert killed.returncode == -signal.SIGKILL, (kill_step, killed.stderr[-2000:])
-        saved = kill_step // every * every
+        saved, stopped = kill_step // every * every, kill_step
         expected = [f"step-{saved:08d}"] if saved else []
     else:
         status, stderr = _interrupt_with_sigterm(stage, cfg, out, data_dir, start_model)
         assert status == 128 + signal.SIGTERM, stderr[-2000:]
         saved = max(json.loads(line)["step"] for line in (resume_dir(out) / "metrics.jsonl").read_text().splitlines())
         assert 1 <= saved < steps and f"saved resume state at step {saved}" in stderr
-        expected = [f"step-{saved:08d}"]
+        expected, stopped = [f"step-{saved:08d}"], saved
     # The declared output does not exist; the resume state lives beside it.
     assert not out.exists()
     assert sorted(p.name for p in resume_dir(out).glob("step-*")) == expected, (interrupt, saved)
 
     resumed = run_stage(stage, cfg, out, data_dir, start_model)
-    print(f"{stage}: {interrupt} after step {saved if interrupt == 'sigterm' else kill_step}, resumed from step {saved}")
+    print(f"{stage}: {interrupt} after step {stopped}, resumed from step {saved}")
     if saved:
         assert f"at step {saved}" in resumed.stdout
     ref = reference(stage)
@@ -228,11 +232,12 @@ def test_nonfinite_batches_are_skipped_up_to_the_limit_then_stop(data_dir, tmp_p
     assert proc.returncode == 1, proc.stderr[-2000:]
     skipped = [line for line in proc.stdout.splitlines() if "skipping this batch" in line]
     assert len(skipped) == 2 and "(1 of 2 allowed by sft.skip_nonfinite)" in skipped[0], proc.stdout[-2000:]
+    # The error stands alone on the last line (not glued to a progress bar).
     error = proc.stderr.strip().splitlines()[-1]
-    first_bad = int(skipped[0].split("step ")[1].split(":")[0])
-    # A skipped batch updates nothing, and no checkpoint is written from a bad step.
-    assert error.startswith(f"sft: error: step {first_bad + 2}: ") and "2 batches already skipped" in error
-    assert f"last good checkpoint: {resume_dir(out) / f'step-{first_bad - 1:08d}'}" in error or first_bad == 1
+    stop = int(skipped[0].split("step ")[1].split(":")[0]) + 2
+    assert error.startswith(f"sft: error: step {stop}: ") and "2 batches already skipped" in error, proc.stderr[-1500:]
+    # Skipped steps leave the weights alone, so the checkpoints after them are still good ones.
+    assert f"last good checkpoint: {resume_dir(out) / f'step-{stop - 1:08d}'}" in error
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
@@ -276,7 +281,8 @@ def test_bad_data_row_names_file_row_and_field(tmp_path, monkeypatch, capsys):
     source = tmp_path / "chats.jsonl"
     good = {"prompt": "What is 2+2?", "response": "4"}
     source.write_text("\n".join(json.dumps(r) for r in [good, good, {"prompt": "Where is the answer?"}]) + "\n")
-    cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": [{"kind": "sft", "path": str(source)}]})
+    sources = [{"kind": "sft", "path": str(source)}]
+    cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": sources})
     out = tmp_path / "data"
     error = _run_main("prepare_data", ["--config", write_config(cfg, tmp_path / "c.json"), "--out", out],
                       monkeypatch, capsys)
@@ -372,7 +378,8 @@ def test_ray_is_imported_only_after_the_loopback_environment_is_set():
             imports_ray = (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ray" for a in node.names)) or (
                 isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray")
             if imports_ray:
-                assert id(node) not in module_level, f"{path.relative_to(ROOT)}:{node.lineno}: module-level import of ray"
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                assert id(node) not in module_level, f"{where}: module-level import of ray"
                 importers.append(path)
     from posttrain.rl.ray_collect import LOCAL_RAY_ENV
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm.std import tqdm
 
 from posttrain.checkpoint import CheckpointError
 from posttrain.data.sources import DataError
@@ -120,6 +121,10 @@ def exit_on_known_errors(stage: str, extra: tuple[type[BaseException], ...] = ()
     try:
         yield
     except KNOWN_ERRORS + extra as e:
+        # Finish open progress bars first (tqdm's registry of them), so the error line stands alone and
+        # last, not glued to a bar and followed by its final redraw at exit.
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
         print(f"{where}{stage}: error: {e}", file=sys.stderr, flush=True)
