@@ -166,7 +166,7 @@ def main() -> None:
     metrics = MetricsLogger(
         checkpointer.metrics_path,
         enabled=info.is_main,
-        loggers=cfg["loggers"],
+        loggers=cfg.get("loggers", ()),
         run_name=f"{STAGE}-{cfg['key']}",
         config=cfg,
     )
