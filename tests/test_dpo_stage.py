@@ -1,5 +1,5 @@
 """The DPO stage end to end on a quickly SFT-trained tiny model: learning on the default tasks without
-collapse, online == precomputed reference, on-policy pairs, resume after a kill, 2-process FSDP2."""
+collapse, online == precomputed reference, on-policy pairs, resume after a kill, 2-process FSDP2 and TP."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from posttrain.rewards.verifiers import format_reward, task_verifier
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV
 from sft_testing import ROOT, env_for, metrics, prepare_data, resolved_config, run_sft, weights, write_config
+
+pytestmark = pytest.mark.slow  # every test here starts from a freshly SFT-trained model (the module fixture)
 
 DPO_SCRIPT = ROOT / "stages" / "dpo.py"
 POLICY = {"policy": "tiny-student"}  # the small preset keeps SFT + DPO to seconds
@@ -100,7 +102,6 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-12)).item() for k in a)
 
 
-@pytest.mark.slow
 def test_dpo_learns_held_out_preferences_without_collapse(sft, tmp_path):
     data, sft_dir = sft
     out = tmp_path / "dpo"
@@ -184,11 +185,14 @@ def test_on_policy_pairs_file(sft, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_two_process_fsdp_matches_one_process(sft, short_run, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tensor-parallel"])
+def test_two_processes_match_one_process(sft, short_run, tmp_path, tp):
+    """FSDP2 over 2 processes, or tensor parallelism (loss parallel on vocabulary-sharded logits) over 2."""
     data, sft_dir = sft
     out = tmp_path / "dpo"
-    run_dpo(dpo_config("dpo-fsdp", **SHORT), data, sft_dir, out, nproc=2)
+    cfg = dpo_config(f"dpo-2proc-tp{tp}", **SHORT)
+    cfg["parallel"]["tp"] = tp
+    run_dpo(cfg, data, sft_dir, out, nproc=2)
     losses = step_values(out)
     assert len(losses) == 3 and losses == pytest.approx(step_values(short_run), rel=1e-5)
     assert relative_difference(weights(out), weights(short_run)) <= 1e-5
