@@ -18,7 +18,6 @@ output layer alone), so the default budget is small.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -30,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers_common import EOS_ID, FIRST_WORD_ID, PAD_ID, Documents, Settings, save_tokenizer  # noqa: E402
-from run import SIDES, environment, run_job, setup_job  # noqa: E402
+from peers_common import BENCHMARKS, EOS_ID, FIRST_WORD_ID, PAD_ID, Documents, Settings, save_tokenizer  # noqa: E402
+from run import SIDES, environment, run_job, setup_job, write_json  # noqa: E402
 
 from _memory import peak_memory  # noqa: E402
 
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-seq", type=int, default=8192)
     parser.add_argument("--fixed-seq", type=int, default=1024, help="the size of the peak-memory comparison")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, default=BENCHMARKS.parent / "results" / "benchmarks" / "peers_memory.json")
     args = parser.parse_args(argv)
     if args.fixed_seq < args.start_seq:
         parser.error("--fixed-seq must be >= --start-seq (it is one of the searched sizes or measured on its own)")
@@ -132,13 +131,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"posttrain / TRL peak at {args.batch} x {args.fixed_seq}: {ratio_total:.2f} (process), "
           f"{ratio_step:.2f} (training); target <= 0.7: "
           f"{'met' if ratio_total <= 0.7 else 'MISSED'} / {'met' if ratio_step <= 0.7 else 'MISSED'}")
-    result = {"config": vars(args) | {"json": str(args.json) if args.json else None}, "environment": env,
-              "probes": probes, "longest_within_budget": fits, "search_capped": capped,
-              "fixed_size_ratio": {"process": ratio_total, "training": ratio_step}}
-    if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
+    result = {"config": vars(args), "environment": env, "probes": probes, "longest_within_budget": fits,
+              "search_capped": capped, "fixed_size_ratio": {"process": ratio_total, "training": ratio_step}}
+    write_json(args.json, result)
+    print(f"wrote {args.json}")
     return result
 
 

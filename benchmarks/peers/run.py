@@ -1,6 +1,6 @@
 """posttrain vs TRL on the same workloads: useful tokens/s, steps/s, peak memory and final loss, side by side.
 
-    python benchmarks/peers/run.py [--workloads sft,dpo,grpo] [--steps 4] [--warmup 1] [--rounds 1] [--json out.json]
+    python benchmarks/peers/run.py [--workloads sft,dpo,grpo] [--steps 3] [--warmup 1] [--rounds 1] [--json out.json]
 
 Workloads (`sft` stands for both SFT layouts): `sft_padded`, `sft_packed`, `dpo`, `grpo`. Both
 sides start from one random-init Qwen3-architecture model saved once as an HF folder, train on
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vocab", type=int, default=Settings.vocab)
     parser.add_argument("--hidden", type=int, default=Settings.hidden)
     parser.add_argument("--layers", type=int, default=Settings.layers)
-    parser.add_argument("--json", type=Path, help="write settings, environment, every run and the ratios here")
+    parser.add_argument("--json", type=Path, default=BENCHMARKS.parent / "results" / "benchmarks" / "peers.json",
+                        help="where to write settings, environment, every run and the ratios")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup, --steps and --rounds must be >= 1 (the first step holds lazy initializations)")
@@ -197,12 +198,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     print_table(summaries)
     result = {"settings": s.as_dict(), "rounds": args.rounds, "environment": env, "runs": runs, "summary": summaries}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
+    write_json(args.json, result)
+    print(f"wrote {args.json}")
     return result
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

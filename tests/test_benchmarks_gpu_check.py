@@ -1,0 +1,88 @@
+"""benchmarks/gpu_check.sh works end to end before it meets a GPU (--dry), and degrades where packages are missing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
+
+import gpu_check  # noqa: E402
+
+
+@pytest.mark.slow
+def test_dry_run_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry"] and report["failed"] == []
+    assert report["checks"]["all_reduce"]["ok"] and report["checks"]["bf16_matmul"]["relative_error"] < 2e-2
+    assert [row["variant"] for row in report["sft"]] == list(gpu_check.VARIANTS)
+    for row in report["sft"]:
+        assert row["posttrain"]["ok"] and row["posttrain"]["useful_tokens_per_s"] > 0
+        assert row["trl"]["ok"] and row["trl"]["useful_tokens_per_s"] > 0  # trl is installed here
+    packing = report["sft"][2]["posttrain"]
+    assert packing["useful_tokens_per_s"] / packing["tokens_per_s"] > 0.8  # packed rows are mostly real tokens
+    assert "compile" in report["sft"][1]["posttrain"]["features"]
+    assert "paper (1xH100)" in proc.stdout and "DRY RUN" in proc.stdout
+
+
+def test_usage_errors():
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "/tmp/x", "--fast"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+
+
+def test_trl_missing_is_reported_not_failed(tmp_path, monkeypatch, capsys):
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name))
+    args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", dry=True)
+    gpu_check.run_trl(args)
+    assert "trl not installed" in json.loads((tmp_path / "trl.json").read_text())["skipped"]
+    (tmp_path / "ours.json").write_text(json.dumps({"all_reduce": {"ok": True}, "bf16_matmul": {"ok": True}, "sft": {
+        name: {"ok": True, "useful_tokens_per_s": 10.0, "tokens_per_s": 20.0} for name in gpu_check.VARIANTS}}))
+    assert gpu_check.report(args) == 0
+    assert "TRL: not run: trl not installed" in capsys.readouterr().out
+    (tmp_path / "ours.json").write_text(json.dumps({"all_reduce": {"ok": False, "error": "RuntimeError: x"}}))
+    assert gpu_check.report(args) == 1
+    assert "all_reduce" in json.loads((tmp_path / "gpu_check.json").read_text())["failed"]
+
+
+def test_library_sft_loss_matches_the_stage(monkeypatch):
+    """Without `datasets` (GPU image) the SFT step takes its loss from the library: it must equal the stage's."""
+    import _posttrain_step
+    import sft_memory
+
+    from posttrain.models import Transformer, document_positions, preset_config
+
+    torch.manual_seed(0)
+    model = Transformer(preset_config("tiny-student", vocab_size=128))
+    ids = torch.randint(1, 128, (2, 33))
+    documents = torch.tensor([[0] * 10 + [1] * 21 + [2]] * 2)
+    labels = ids[:, 1:].clone()
+    labels[:, :4] = -100
+    batch = {"input_ids": ids[:, :-1], "labels": labels, "document_ids": documents,
+             "position_ids": document_positions(documents)}
+    memory = {"chunked_ce": True, "ce_chunks": 4}
+    stage = _posttrain_step.sft_loss_module()
+    assert not getattr(stage, "reason", "")  # datasets is installed here: the stage's own loss
+
+    def unavailable():
+        raise ImportError("No module named 'datasets'")
+
+    monkeypatch.setattr(sft_memory, "_stage_module", unavailable)
+    fallback = _posttrain_step.sft_loss_module()
+    assert "datasets" in fallback.reason
+    expected = stage.summed_loss(model, batch, None, memory)
+    assert fallback.summed_loss(model, batch, None, memory).item() == pytest.approx(expected.item(), rel=1e-6)

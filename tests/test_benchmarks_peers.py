@@ -1,0 +1,108 @@
+"""The posttrain-vs-TRL benchmark measures like with like: same data conventions, same start, same counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
+
+from peers_common import (  # noqa: E402
+    EOS_ID,
+    Settings,
+    build_model_folder,
+    model_config,
+    parity_reward,
+    preference_pairs,
+    sft_documents,
+    text,
+    unshifted_labels,
+)
+
+TINY = ["--vocab", "256", "--hidden", "64", "--layers", "1", "--seq", "64", "--warmup", "1", "--steps", "1"]
+
+
+def test_unshifted_labels_score_the_same_tokens():
+    """posttrain's labels are shifted (position t predicts t + 1), transformers' are not: same (position, token) pairs."""
+    ids, labels = sft_documents(Settings(seq=64, vocab=256), 20)
+    for doc, aligned in zip(ids, labels):
+        hf = np.array(unshifted_labels(doc, aligned))
+        ours = {(t, int(y)) for t, y in enumerate(aligned) if y != -100}
+        theirs = {(t - 1, int(y)) for t, y in enumerate(hf) if y != -100}  # HF shifts inside the model
+        assert ours == theirs and ours
+        assert all(doc[t + 1] == y for t, y in ours)
+
+
+def test_parity_reward_reads_token_words():
+    assert parity_reward("t4 t7 t10 t3", {}) == 0.5
+    assert parity_reward("", {}) == 0.0
+    assert parity_reward(text([4, 6, EOS_ID]), {}) == 1.0  # the eos word is not a token id
+
+
+def test_tokenizer_maps_text_back_to_the_ids(tmp_path):
+    """TRL's DPO/GRPO paths tokenize text: the word-level tokenizer must give back exactly the ids."""
+    from transformers import AutoTokenizer
+
+    from posttrain.tokenizer import Tokenizer
+
+    s = Settings(vocab=256, hidden=64, layers=1, seq=64)
+    folder = build_model_folder(model_config(s), tmp_path / "model")
+    prompt, chosen, _ = preference_pairs(s, 1)[0]
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    assert hf(text(prompt) + " " + text(chosen), add_special_tokens=False)["input_ids"] == prompt + chosen
+    ours = Tokenizer(folder)
+    assert ours.encode(text(prompt)) == prompt
+    assert ours.pad_id == 0 and ours.eos_ids == [EOS_ID]
+
+
+def test_parse_workloads():
+    from run import parse_workloads
+
+    assert parse_workloads("sft,dpo") == ["sft_padded", "sft_packed", "dpo"]
+    with pytest.raises(SystemExit, match="unknown workload 'ppo'"):
+        parse_workloads("sft,ppo")
+
+
+def test_summary_ratios_and_targets():
+    from run import summarize
+
+    def run(side: str, seconds: float, peak: float, step: float) -> dict:
+        return {"side": side, "seconds": seconds, "steps": 3, "useful_tokens": 600, "peak_total_mib": peak,
+                "peak_step_mib": step, "losses": [1.0, 0.5]}
+
+    rows = [run("posttrain", 2.0, 600, 100), run("trl", 4.0, 1000, 300), run("posttrain", 4.0, 650, 90),
+            run("trl", 4.0, 900, 280)]
+    out = summarize("sft_packed", rows)
+    assert out["posttrain"]["tokens_per_s"] == 1200 / 6 and out["trl"]["tokens_per_s"] == 1200 / 8
+    assert out["ratios"]["tokens_per_s"] == pytest.approx(8 / 6)  # below 1.5: missed
+    assert out["ratios"]["peak_total"] == 0.65 and out["ratios"]["peak_step"] == pytest.approx(100 / 300)
+    assert out["targets"] == {"tokens_per_s": False, "memory (process)": True, "memory (training)": True}
+    assert summarize("grpo", rows)["targets"]["steps_per_s"] is True  # DPO/GRPO: steps/s >= 1.0
+
+
+@pytest.mark.slow
+def test_both_sides_start_equal_and_count_the_same_tokens(tmp_path):
+    """One tiny run of every workload: identical start, data and optimizer give the same SFT (padded) and DPO losses."""
+    out = tmp_path / "peers.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run.py"), *TINY, "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    summary = {row["workload"]: row for row in result["summary"]}
+    assert set(summary) == {"sft_padded", "sft_packed", "dpo", "grpo"}
+    runs = {(r["workload"], r["side"]): r for r in result["runs"]}
+    for workload in ("sft_padded", "dpo"):  # same batches on both sides
+        ours, trl = runs[(workload, "posttrain")], runs[(workload, "trl")]
+        assert ours["useful_tokens"] == trl["useful_tokens"] > 0
+        assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4)
+    for row in summary.values():
+        for side in ("posttrain", "trl"):
+            assert row[side]["tokens_per_s"] > 0 and row[side]["peak_total_mib"] > row[side]["peak_step_mib"] > 0
+        assert row["ratios"]["tokens_per_s"] > 0
+    assert "posttrain / TRL (this run)" in proc.stdout
