@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -182,6 +183,7 @@ def run(state: dict[str, Any]) -> dict[str, Any]:
     s: Settings = state["settings"]
     trainer, clock = state["trainer"], state["clock"]
     trainer.train()
+    shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # save_strategy "no": nothing of value there
     if len(clock.ends) != s.total_steps:
         raise RuntimeError(f"TRL ran {len(clock.ends)} steps, expected {s.total_steps}")
     start = clock.ends[s.warmup - 1] if s.warmup else clock.begin
