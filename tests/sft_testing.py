@@ -67,7 +67,7 @@ def run_sft(cfg: dict[str, Any], data: Path, out: Path, nproc: int = 1, check: b
             **env: str) -> subprocess.CompletedProcess:
     config = write_config(cfg, out.parent / f"{out.name}.json")
     proc = subprocess.run(sft_command(config, data, out, nproc), capture_output=True, text=True, cwd=ROOT,
-                          env=env_for(threads=1 if nproc > 1 else 2, **env), timeout=600)
+                          env=env_for(threads=1 if nproc > 1 else 2, **env))
     if check and proc.returncode != 0:
         raise AssertionError(f"sft exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -20,10 +20,12 @@ from posttrain.training.setup import initial_state
 from posttrain.utils.metrics import LoggerUnavailableError, MetricsLogger, truncate_after
 from sft_testing import SMALL_DATA, SMALL_SFT, metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 
-# What the learning test trains: the default tasks at the test's data size, a budget that fits in
-# about a minute on 2 cores.
-LEARN_DATA = {**SMALL_DATA, "n_sft": 1200, "n_eval": 100, "n_prompts": 8, "max_seq_len": 64}
-LEARN_SFT = {"steps": 150, "batch_size": 16, "lr": 3.0e-3, "warmup_steps": 10, "checkpoint_every": 1000, "log_every": 50}
+# What the learning test trains: the built-in `reverse` task, which the distillation-student preset
+# learns within a test's budget (measured: 47% of held-out prompts right after 300 steps, 96% after
+# 400); the default tasks (2-digit arithmetic, 5-number sort) need far more steps than a test has.
+LEARN_DATA = {**SMALL_DATA, "tasks": [{"name": "reverse", "length": 3, "max_value": 20}], "n_sft": 1200, "n_eval": 100}
+LEARN_SFT = {"steps": 300, "batch_size": 16, "lr": 1.0e-2, "warmup_steps": 10, "checkpoint_every": 1000,
+             "log_every": 100}
 MIN_ACCURACY = 0.2
 
 
@@ -36,7 +38,7 @@ def _config(key: str, sft: dict | None = None, **sections) -> dict:
     return resolved_config("sft", key, data=SMALL_DATA, sft={**SMALL_SFT, **(sft or {})}, **sections)
 
 
-def task_accuracy(model_dir: Path, data_dir: Path, limit: int = 60) -> float:
+def task_accuracy(model_dir: Path, data_dir: Path, limit: int = 100) -> float:
     """Share of held-out task prompts the model answers correctly with greedy decoding."""
     model = load_hf_model(model_dir).eval()
     tok = Tokenizer(model_dir)
@@ -51,7 +53,7 @@ def task_accuracy(model_dir: Path, data_dir: Path, limit: int = 60) -> float:
 def test_sft_lowers_held_out_loss_and_learns_the_task(tmp_path):
     data = prepare_data(tmp_path, LEARN_DATA)
     out = tmp_path / "sft"
-    cfg = resolved_config("sft", "learn", data=LEARN_DATA, sft=LEARN_SFT)
+    cfg = resolved_config("sft", "learn", data=LEARN_DATA, sft=LEARN_SFT, model={"policy": "tiny-student"})
     run_sft(cfg, data, out)
 
     summary = json.loads((out / "posttrain.json").read_text())["metrics"]
