@@ -126,7 +126,8 @@ def likelihood_accuracy(logps: PairLogps, per_token: bool) -> float:
     return float((chosen > rejected).double().mean())
 
 
-def dpo_loss(dpo: dict[str, Any], policy: PairLogps, ref: tuple[torch.Tensor, torch.Tensor] | None):
+def pair_loss(dpo: dict[str, Any], policy: PairLogps,
+              ref: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`preference_loss` for the configured loss type (reference log-probs None for SimPO)."""
     ref_chosen, ref_rejected = ref if ref is not None else (None, None)
     return preference_loss(
@@ -228,7 +229,7 @@ def main() -> None:
                 with loss_context(mesh):
                     ref = reference(batch) if reference is not None else None
                     policy = pair_logprobs(model, batch, mesh, memory)
-                    loss, pair_metrics = dpo_loss(dpo, policy, ref)
+                    loss, pair_metrics = pair_loss(dpo, policy, ref)
                     # FSDP2 averages gradients over data-parallel ranks: each rank's mean over its
                     # pairs, averaged over micro-batches and ranks, is the mean over the step's pairs.
                     (loss / accum).backward()
@@ -276,7 +277,7 @@ def main() -> None:
     if held_out_ref is not None:
         policy = score_pairs(model, held_out, train.collate, rows_per_rank, mesh, memory, info.device,
                              "held-out pairs", info.is_main)
-        _, pair_metrics = dpo_loss(dpo, policy, (held_out_ref.chosen, held_out_ref.rejected) if uses_reference else None)
+        _, pair_metrics = pair_loss(dpo, policy, (held_out_ref.chosen, held_out_ref.rejected) if uses_reference else None)
         evaluation = {"pref_acc": float(pair_metrics["rewards/accuracy"]), "pref_margin": float(pair_metrics["rewards/margin"]),
                       "likelihood_acc": likelihood_accuracy(policy, per_token)}
         metrics.log(steps, {f"eval/{k}": v for k, v in evaluation.items()})
