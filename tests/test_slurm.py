@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm.local_cluster import ClusterBusy, LocalSlurm, install, unavailable_reason
+from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
 
 # About 8 minutes on 2 idle cores (each job also starts a nested Snakemake, 10-17 s); the limits
 # leave room for a loaded machine.
@@ -30,6 +30,7 @@ SLURM_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evalu
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")
 # The profile's first status check waits 20 s (sized for real clusters); a test wants 2.
 TEST_OVERRIDES = ("--slurm-init-seconds-before-status-checks", "2", "--latency-wait", "5")
+SECTIONS_WITH_RESOURCES = ("data", "sft", "dpo", "reward", "grpo", "distill", "eval", "export")
 
 
 @pytest.fixture(scope="session")
@@ -70,11 +71,21 @@ def _stage_log_tails(workdir: Path, chars: int = 1500) -> str:
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
 
 
+def _memory_overlay(workdir: Path) -> Path:
+    """Jobs ask for at most half the node's memory (the configs' 8 GB would not fit a small CI machine);
+    resources are not part of any stage key, so the results are those of the smoke config."""
+    real_mb = int(node_line()[0].split("RealMemory=")[1].split()[0])
+    mem_mb = min(4000, real_mb // 2)
+    path = workdir / "slurm-test-resources.yaml"
+    path.write_text("".join(f"{section}: {{resources: {{mem_mb: {mem_mb}}}}}\n" for section in SECTIONS_WITH_RESOURCES))
+    return path
+
+
 def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--configfile", "config/smoke.yaml",
-         *TEST_OVERRIDES],
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm",
+         "--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)), *TEST_OVERRIDES],
         cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=2200,
     )
     seconds = time.perf_counter() - start
