@@ -44,10 +44,10 @@ class LibrarySFTLoss:
 
 def sft_loss_module():
     """The module holding `summed_loss`: `stages/sft.py`, or `LibrarySFTLoss` (with `.reason`) if it cannot load."""
-    from sft_memory import _stage_module
+    from sft_memory import stage_module
 
     try:
-        return _stage_module()
+        return stage_module()
     except ImportError as e:
         fallback = LibrarySFTLoss()
         fallback.reason = f"stages/sft.py not importable ({e}); loss from posttrain.losses.linear_cross_entropy"

@@ -81,7 +81,7 @@ def test_library_sft_loss_matches_the_stage(monkeypatch):
     def unavailable():
         raise ImportError("No module named 'datasets'")
 
-    monkeypatch.setattr(sft_memory, "_stage_module", unavailable)
+    monkeypatch.setattr(sft_memory, "stage_module", unavailable)
     fallback = _posttrain_step.sft_loss_module()
     assert "datasets" in fallback.reason
     expected = stage.summed_loss(model, batch, None, memory)

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for side in list(active):
                 row = probe(side, folder, seq, args.batch, args.threads, budget)
                 probes.append(row)
+                write_json(args.json, {"config": vars(args), "environment": env, "probes": probes, "partial": True})
                 print(f"  {side:9} {args.batch} x {seq:6}: peak {row['peak_total_mib']:7.0f} MiB "
                       f"({'within' if row['within_budget'] else 'over'} {budget:.0f} MiB)", flush=True)
                 if row["within_budget"]:
