@@ -44,6 +44,7 @@ VARIANTS = {  # name: (packed rows, torch.compile)
     "compile": (False, True),
     "packing": (True, True),
 }
+ROWS_X_SEQ = {False: (2, 2048), True: (2, 64)}  # by --dry
 OUR_FEATURES = ("chunked_ce", "optimizer_in_backward", "mixed_precision")
 TRL_INSTALL_HINT = "pip install 'posttrain[bench]' (trl, datasets)"
 
@@ -68,10 +69,9 @@ def qwen3_06b_config(dry: bool) -> dict[str, Any]:
 def settings(dry: bool):
     from peers_common import Settings
 
-    vocab = qwen3_06b_config(dry)["vocab_size"]
-    if dry:
-        return Settings(vocab=vocab, seq=64, rows=2, warmup=1, steps=1)
-    return Settings(vocab=vocab, seq=2048, rows=2, warmup=3, steps=10)
+    rows, seq = ROWS_X_SEQ[dry]
+    warmup, steps = (1, 1) if dry else (3, 10)  # the GPU warm-up steps include torch.compile's compilation
+    return Settings(vocab=qwen3_06b_config(dry)["vocab_size"], seq=seq, rows=rows, warmup=warmup, steps=steps)
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -272,7 +272,9 @@ def report(args: argparse.Namespace) -> int:
         detail = r.get("error") or ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in r.items() if k not in ("ok", "traceback"))
         print(f"  {name:12} {'ok' if r.get('ok') else 'FAILED'}  {detail}")
-    header = (f"{'SFT, Qwen3-0.6B shape, 2 x 2048':34} {'posttrain useful tok/s':>23} {'(padded tok/s)':>15} "
+    rows, seq = ROWS_X_SEQ[args.dry]
+    shape = f"SFT, {'tiny Qwen3' if args.dry else 'Qwen3-0.6B'} shape, {rows} x {seq}"
+    header = (f"{shape:34} {'posttrain useful tok/s':>23} {'(padded tok/s)':>15} "
               f"{'TRL useful tok/s':>17} {'paper (1xH100)':>15} {'posttrain/paper':>16} {'peak GiB':>9}")
     print(header)
     rows = []
