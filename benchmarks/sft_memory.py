@@ -90,7 +90,8 @@ def variant_config(names: tuple[str, ...]) -> dict[str, Any]:
     return cfg
 
 
-def _stage_module():
+def stage_module():
+    """stages/sft.py as a module: the benchmarks time and measure the stage's own loss."""
     spec = importlib.util.spec_from_file_location("sft_stage", ROOT / "stages" / "sft.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -119,7 +120,7 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int
     }
     state = {
         "model": model, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "clip": max_grad_norm(cfg["sft"]),
-        "batch": {k: v.to(info.device) for k, v in batch.items()}, "stage": _stage_module(),
+        "batch": {k: v.to(info.device) for k, v in batch.items()}, "stage": stage_module(),
     }
     train_step(state)  # warm-up: optimizer states, kernels, lazy inits (and torchao's compile)
     return state

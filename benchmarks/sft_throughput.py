@@ -28,7 +28,7 @@ from posttrain.data.packing import pack_or_pad
 from posttrain.models import document_positions, preset_config
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
-from sft_memory import _stage_module, variant_config  # benchmarks/ is on sys.path when run as a script
+from sft_memory import stage_module, variant_config  # benchmarks/ is on sys.path when run as a script
 
 FEATURES = ("chunked_ce", "activation_checkpointing", "optimizer_in_backward", "adamw8bit", "compile", "lora")
 PAD_ID = 0
@@ -63,7 +63,7 @@ def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     model = build_model(None, hf_config, info, None, cfg, cfg["sft"]["method"], cfg["sft"]["lora"])
     optimizer, _ = build_optimizer_and_scheduler(model, cfg["sft"], cfg["memory"])
-    stage, clip = _stage_module(), max_grad_norm(cfg["sft"])
+    stage, clip = stage_module(), max_grad_norm(cfg["sft"])
     useful, seconds = 0, 0.0
     for i in range(warmup + steps):
         batch = {k: v.to(device) for k, v in data[i % len(data)].items()}
