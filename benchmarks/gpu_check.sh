@@ -38,7 +38,7 @@ fi
 start=$SECONDS
 # Time limits keep the GPU check under 8 minutes; a part that runs out leaves what it had written.
 # A dry run has none (0): on a loaded CPU its imports alone can take minutes.
-LIMIT_OURS=300 LIMIT_TRL=150
+LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-300} LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-150}  # seconds; env overrides for short leases
 [[ ${#DRY[@]} -eq 1 ]] && LIMIT_OURS=0 LIMIT_TRL=0
 timeout "$LIMIT_OURS" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
   "$ROOT/benchmarks/gpu_check.py" ours --out "$OUT" --work "$WORK" "${DRY[@]}" \

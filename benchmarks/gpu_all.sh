@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one go, sized for a short lease on one H100/H200 (~8 minutes):
+# the CUDA tests (bf16 FSDP2, compile, optimizer-in-backward, torchao low-bit, QLoRA, chunked losses),
+# the SFT and DPO memory benchmarks on CUDA, then benchmarks/gpu_check.sh (NCCL, bf16, SFT throughput
+# against TRL and the torchtune paper). Logs and JSON go to OUT_DIR; a part that fails or runs out of
+# time is reported and the next one still runs.
+#
+#   benchmarks/gpu_all.sh OUT_DIR
+set -uo pipefail
+[[ $# -eq 1 ]] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
+OUT=$1
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+mkdir -p "$OUT"
+cd "$ROOT"
+
+status=0
+part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to OUT/NAME.log
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "== $name (limit ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  [[ $rc -eq 0 ]] || status=1
+}
+
+nvidia-smi -L
+"$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py
+part sft_memory 75 "$PY" benchmarks/sft_memory.py --device cuda --json "$OUT/sft_memory.json"
+part dpo_memory 60 "$PY" benchmarks/dpo_memory.py --device cuda --json "$OUT/dpo_memory.json"
+GPU_CHECK_LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \
+  part gpu_check 240 bash benchmarks/gpu_check.sh "$OUT"
+exit $status
