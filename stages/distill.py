@@ -12,7 +12,9 @@ folder / hub id. Teacher, student and data must share one tokenizer and vocabula
 stops the stage naming both sides.
 
 Loss (`posttrain.losses.kd_loss`): `(1 - ce_weight) * D + ce_weight * CE` with D the `distill.loss`
-divergence (forward_kl | reverse_kl | jsd with `jsd_beta`) at `distill.temperature`, over the
+divergence (forward_kl | reverse_kl | jsd with `jsd_beta`) at `distill.temperature` and CE the
+student's cross-entropy against the reference responses (off-policy data only: on-policy the loss
+is D alone, as in GKD, since CE on the student's own samples would reinforce them), over the
 trained tokens, chunk by chunk from both models' hidden states and output heads: neither model's
 [batch, seq, vocab] logits exist (`memory.chunked_ce: false` computes them whole, for comparison).
 Like SFT, the summed loss of a step is divided by the step's trained-token count (all
@@ -193,10 +195,12 @@ def distill_loss(
     distill: Mapping[str, Any],
     memory: Mapping[str, Any],
     mesh: DeviceMesh | None,
+    ce_weight: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The KD loss summed over the batch's trained tokens, and its summed divergence / cross-entropy.
 
-    The teacher's forward runs without gradients.
+    `ce_weight` mixes in the cross-entropy against the batch's labels. The teacher's forward runs
+    without gradients.
     """
     inputs = {"position_ids": batch["position_ids"], "document_ids": batch["document_ids"]}
     student_hidden = _plain(student(batch["input_ids"], **inputs))
@@ -212,7 +216,7 @@ def distill_loss(
         kind=distill["loss"],
         beta=float(distill["jsd_beta"]),
         temperature=float(distill["temperature"]),
-        ce_weight=float(distill["ce_weight"]),
+        ce_weight=ce_weight,
         num_chunks=int(memory["ce_chunks"]) if chunked else 1,
         checkpoint_chunks=chunked,
         reduction="sum",
@@ -342,7 +346,7 @@ def held_out_divergence(
     divergence, ce, tokens = 0.0, 0.0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
-        _, parts = distill_loss(student, teacher, batch, distill, memory, mesh)
+        _, parts = distill_loss(student, teacher, batch, distill, memory, mesh, ce_weight=0.0)
         divergence += float(parts["kd/divergence"])
         ce += float(parts["kd/ce"])
         tokens += int(num_loss_tokens(batch["labels"]))
@@ -372,6 +376,8 @@ def main() -> None:
     distill, memory = cfg["distill"], cfg["memory"]
     steps, accum = int(distill["steps"]), int(distill["grad_accum"])
     on_policy = distill["data"] == "on_policy"
+    # Cross-entropy needs reference labels: on the student's own samples it would only reinforce them.
+    ce_weight = 0.0 if on_policy else float(distill["ce_weight"])
     verifier = cfg.get("reward", {}).get("verifiers", ["task"])[0]
 
     # --- setup: processes, teacher (frozen), student, optimizer, data, resume state, logging ---
@@ -454,7 +460,7 @@ def main() -> None:
             scale = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard") / max(loss_tokens, 1)
             step_loss, step_divergence, step_ce = 0.0, 0.0, 0.0
             for batch in batches:
-                loss, parts = distill_loss(student, teacher, batch, distill, memory, mesh)
+                loss, parts = distill_loss(student, teacher, batch, distill, memory, mesh, ce_weight)
                 (loss * scale).backward()
                 step_loss += float(loss.detach())
                 step_divergence += float(parts["kd/divergence"])

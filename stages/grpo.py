@@ -269,7 +269,8 @@ def main() -> None:
 
                 # 2. advantages and micro-batches; the loss divides by the whole step's count
                 t_train = time.perf_counter()
-                batches = micro_batches(groups, advantages(groups, grpo["std_normalize"]), micro, tokenizer.pad_id)
+                batches = micro_batches(groups, advantages(groups, grpo["std_normalize"]), micro, tokenizer.pad_id,
+                                        length_multiple=mesh_size(mesh, "tp"))
                 step_tokens, step_rows = data_parallel_sum(
                     [sum(int(b.mask.sum()) for b in batches), sum(len(b.advantages) for b in batches)], mesh, info.device)
                 denominator = step_tokens if grpo["token_level"] else step_rows
@@ -376,6 +377,7 @@ def main() -> None:
     finally:
         if isinstance(collector, RayCollector):
             collector.close()
+            collector.ray.shutdown()  # stops a local cluster; disconnects from one joined by address
     bar.close()
 
     # --- held-out accuracy after training, final HF folder, resume state removed ---

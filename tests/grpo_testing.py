@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sft_testing import ROOT, env_for, prepare_data, resolved_config, run_sft, write_config
+import torch
+
+from posttrain.checkpoint import save_hf_model
+from posttrain.models import Transformer, preset_config
+from posttrain.tokenizer import Tokenizer
+from sft_testing import ROOT, SMALL_DATA, env_for, prepare_data, resolved_config, run_sft, write_config
 
 GRPO_SCRIPT = ROOT / "stages" / "grpo.py"
 
@@ -16,17 +21,37 @@ GRPO_SCRIPT = ROOT / "stages" / "grpo.py"
 # `starting_policy`): GRPO needs groups whose samples disagree.
 TASK_DATA = {
     "tasks": [{"name": "sort", "length": 3, "max_value": 9}, {"name": "reverse", "length": 3, "max_value": 9}],
-    "n_sft": 400, "n_preference": 8, "n_prompts": 256, "n_eval": 100, "max_seq_len": 64,
+    "n_sft": 400, "n_preference": 8, "n_prompts": 256, "n_eval": 180, "max_seq_len": 64, "vocab_size": 300,
 }
-STARTING_SFT = {"steps": 60, "batch_size": 16, "lr": 3.0e-3, "warmup_steps": 5, "checkpoint_every": 1000, "log_every": 20}
+STARTING_SFT = {"steps": 300, "batch_size": 16, "lr": 3.0e-3, "warmup_steps": 5, "min_lr_ratio": 1.0,
+                "checkpoint_every": 1000, "log_every": 20}
 
 
 def starting_policy(tmp: Path) -> tuple[Path, Path]:
     """(data folder, SFT model folder): the tiny preset briefly fine-tuned on the task data."""
     data = prepare_data(tmp, TASK_DATA)
     out = tmp / "sft"
-    run_sft(resolved_config("sft", "grpo-start", data=TASK_DATA, sft=STARTING_SFT), data, out)
+    # One torch thread: the same as the GRPO runs, and far faster than two on a loaded machine.
+    run_sft(resolved_config("sft", "grpo-start", data=TASK_DATA, sft=STARTING_SFT), data, out, OMP_NUM_THREADS="1")
     return data, out
+
+
+RANDOM_DATA = {**SMALL_DATA, "n_prompts": 32}
+
+
+def random_policy(tmp: Path) -> tuple[Path, Path]:
+    """(data folder, model folder) of a small random model, for plumbing tests (pair with `length_reward`)."""
+    data = prepare_data(tmp, RANDOM_DATA)
+    tok = Tokenizer(data / "tokenizer")
+    torch.manual_seed(0)
+    hf = preset_config("tiny", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    # head_dim 32: vLLM's CPU attention kernels do not take 16.
+    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=32)
+    model = tmp / "policy"
+    save_hf_model(Transformer(hf).state_dict(), hf, model)
+    tok.save(model)
+    return data, model
 
 
 def grpo_config(key: str, data: dict[str, Any] | None = None, reward: dict[str, Any] | None = None,
@@ -38,9 +63,11 @@ def grpo_config(key: str, data: dict[str, Any] | None = None, reward: dict[str, 
 
 
 def run_grpo(cfg: dict[str, Any], data: Path, model: Path, out: Path, check: bool = True, threads: int = 1,
-             python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
+             nproc: int = 1, **env: str) -> subprocess.CompletedProcess:
     config = write_config(cfg, out.parent / f"{out.name}.json")
-    command = [python, str(GRPO_SCRIPT), "--config", str(config), "--data", str(data), "--model", str(model),
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node", str(nproc)]
+    command = [*launcher, str(GRPO_SCRIPT), "--config", str(config), "--data", str(data), "--model", str(model),
                "--out", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env_for(threads=threads, **env),
                           timeout=1800)

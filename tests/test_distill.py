@@ -1,10 +1,12 @@
 """The distillation stage: its chunked loss equals the full-logit computation, teacher/student
-vocabularies are checked, on-policy runs resume exactly after a kill, 2-process runs match one."""
+vocabularies are checked, on-policy runs resume exactly after a kill, 2-process runs match one, and a
+student a quarter of the teacher's size learns the task from it better than from SFT alone."""
 
 from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,13 @@ import torch.nn.functional as F
 
 from distill_testing import distill_config, random_model_folder, run_distill
 from eval_fixtures import load_stage
+from posttrain.checkpoint import load_hf_model
 from posttrain.losses import IGNORE_INDEX
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV
 from posttrain.training.resume import resume_dir
-from sft_testing import metrics, prepare_data, train_losses, weights
+from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 from test_losses_kd import naive_divergence, rel_err
 
 STAGE = load_stage("distill")
@@ -64,10 +67,10 @@ def test_stage_loss_equals_full_logits(kind, beta, temperature, ce_weight, chunk
     student = _tiny("tiny-student", 0)
     teacher = _tiny("tiny", 1, hidden_size=64, intermediate_size=128, head_dim=16).requires_grad_(False).eval()
     batch = _packed_batch(2)
-    distill = {"loss": kind, "jsd_beta": beta, "temperature": temperature, "ce_weight": ce_weight}
+    distill = {"loss": kind, "jsd_beta": beta, "temperature": temperature}
     memory = {"chunked_ce": chunked, "ce_chunks": 5}
 
-    got, parts = STAGE.distill_loss(student, teacher, batch, distill, memory, mesh=None)
+    got, parts = STAGE.distill_loss(student, teacher, batch, distill, memory, mesh=None, ce_weight=ce_weight)
     got_grads = torch.autograd.grad(got, list(student.parameters()))
     ref = _full_logits_loss(student, teacher, batch, kind, beta, temperature, ce_weight)
     ref_grads = torch.autograd.grad(ref, list(student.parameters()))
@@ -202,3 +205,41 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
     out = tmp_path / "two"
     run_distill(distill_config(name, distill, parallel=parallel), data_dir, teacher_dir, out, nproc=2)
     assert train_losses(metrics(out)) == pytest.approx(expected, rel=1e-5)
+
+
+# The learning test: the default task families (arithmetic, sort) at a size the tiny teacher learns
+# by SFT within a test's budget (the default 2-digit tasks take it far longer), the default
+# sequence length, and the default distill section (its steps, batch, learning rate, loss).
+LEARN_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add", "sub", "mul"], "digits": 1},
+                        {"name": "sort", "length": 3, "max_value": 9}],
+              "n_sft": 500, "n_preference": 8, "n_prompts": 8, "n_eval": 70}
+TEACHER_SFT = {"steps": 600, "batch_size": 16, "checkpoint_every": 1000, "log_every": 50}
+SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "max_grad_norm")
+
+
+@pytest.mark.slow
+def test_kd_student_reaches_teacher_accuracy_and_beats_sft_alone(tmp_path):
+    data = prepare_data(tmp_path, LEARN_DATA)
+    teacher = tmp_path / "teacher"
+    run_sft(resolved_config("sft", "teacher", data=LEARN_DATA, sft=TEACHER_SFT), data, teacher)
+
+    kd_cfg = resolved_config("distill", "kd", data=LEARN_DATA)
+    sft_cfg = resolved_config("sft", "sft-student", data=LEARN_DATA,
+                              sft={**{k: kd_cfg["distill"][k] for k in SHARED}, "checkpoint_every": 1000})
+    sft_cfg["model"]["policy"] = kd_cfg["model"]["student"]
+    with ThreadPoolExecutor(2) as pool:  # one core each
+        kd_run = pool.submit(run_distill, kd_cfg, data, teacher, tmp_path / "kd")
+        sft_run = pool.submit(run_sft, sft_cfg, data, tmp_path / "sft-student", OMP_NUM_THREADS="1")
+        kd_run.result(), sft_run.result()
+
+    summary = json.loads((tmp_path / "kd" / "posttrain.json").read_text())["metrics"]
+    assert summary["student_params"] * 4 <= summary["teacher_params"]
+    tok = Tokenizer(data / "tokenizer")
+    prompts, examples = STAGE.first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
+    sft_only = STAGE.greedy_accuracy(load_hf_model(tmp_path / "sft-student"), prompts, examples, tok, "task",
+                                     kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
+    print(f"teacher {summary['teacher_accuracy']:.3f}, KD student {summary['student_accuracy']:.3f}, "
+          f"SFT-only student {sft_only:.3f}")
+    assert summary["teacher_accuracy"] >= 0.5  # a teacher worth distilling
+    assert summary["student_accuracy"] >= 0.9 * summary["teacher_accuracy"]
+    assert summary["student_accuracy"] > sft_only

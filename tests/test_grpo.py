@@ -1,5 +1,6 @@
 """The GRPO stage end to end on CPU: it raises held-out accuracy (sync, native sampler), async GRPO with
-Ray keeps every batch within the staleness bound and learns like sync, a killed run resumes bitwise."""
+Ray keeps every batch within the staleness bound and learns like sync, a killed run resumes bitwise,
+tensor parallelism matches one process."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from grpo_testing import grpo_config, run_grpo, starting_policy, step_records, summary
-from sft_testing import weights
+from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, starting_policy, step_records, summary
+from sft_testing import ROOT, weights
 from posttrain.training.resume import resume_dir
 
 # The test budget: the default grpo section (steps, prompts, group size, lr, ...) with a smaller eval.
@@ -79,3 +80,22 @@ def test_killed_run_resumes_to_the_same_weights(policy, tmp_path):
     a, b = weights(whole), weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["reward_mean"] for r in step_records(whole)] == [r["reward_mean"] for r in step_records(killed)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_matches_one_process(tmp_path):
+    """TP=2 (vocabulary-sharded logits, sequence-parallel padding), with the KL reference and two inner epochs."""
+    data, model = random_policy(tmp_path)
+    cfg = grpo_config("tp", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=2,
+                      prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, kl_coef=0.1, inner_epochs=2,
+                      lr=1e-3)
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    run_grpo(cfg, data, model, tmp_path / "one", **env)
+    cfg["parallel"]["tp"] = 2
+    run_grpo(cfg, data, model, tmp_path / "tp", nproc=2, **env)
+    one, tp = step_records(tmp_path / "one"), step_records(tmp_path / "tp")
+    for key in ("loss", "entropy", "kl", "grad_norm", "reward_mean"):
+        assert [r[key] for r in tp] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "tp")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

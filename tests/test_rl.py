@@ -133,6 +133,8 @@ def test_micro_batches_align_targets_and_generator_logprobs_with_the_trainer(mod
             assert (b.input_ids[i, len(prompt) + len(completion):] == tok.pad_id).all()
         seen += len(b.advantages)
     assert torch.equal(torch.cat([b.advantages for b in batches]), adv)
+    padded = micro_batches(groups, adv, size=5, pad_id=tok.pad_id, length_multiple=4)
+    assert all(b.input_ids.shape[1] % 4 == 0 and torch.equal(b.mask.sum(), a.mask.sum()) for a, b in zip(batches, padded))
 
 
 def test_advantages_are_group_relative_and_stats_count_flat_groups():

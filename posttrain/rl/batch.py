@@ -44,8 +44,13 @@ def advantages(groups: Sequence[RolloutGroup], std_normalize: bool) -> Tensor:
     return group_advantages(rewards, sizes.pop(), std_normalize=std_normalize)
 
 
-def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, pad_id: int) -> list[MicroBatch]:
-    """Rows of `size` completions each (the last may be shorter), each padded to its own longest row."""
+def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, pad_id: int,
+                  length_multiple: int = 1) -> list[MicroBatch]:
+    """Rows of `size` completions each (the last may be shorter), each padded to its own longest row.
+
+    `length_multiple` rounds that length up (sequence parallelism splits the sequence over the
+    tensor-parallel ranks, so it must divide evenly).
+    """
     if size < 1:
         raise ValueError(f"grpo.micro_batch_size must be >= 1, got {size}")
     rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs)]
@@ -55,6 +60,7 @@ def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, 
     for start in range(0, len(rows), size):
         part = rows[start : start + size]
         length = max(len(p) + len(c) for p, c, _ in part)
+        length = -(-length // length_multiple) * length_multiple
         ids = torch.full((len(part), length), pad_id, dtype=torch.long)
         targets = torch.full((len(part), length), IGNORE_INDEX, dtype=torch.long)
         gen = torch.zeros(len(part), length, dtype=torch.float32)
