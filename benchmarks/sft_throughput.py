@@ -3,7 +3,9 @@
 Documents with a skewed length distribution (most short, a long tail; lognormal, clipped to
 `--seq`) are laid out the two ways data prep can (`posttrain.data.packing.pack_or_pad`): packed
 with per-document attention, or one padded document per row. Both train the same model with
-the same rows per step, so the packed/padded ratio of useful tokens/s is what packing buys.
+the same rows per step, batched as the SFT loader batches them (cut after the batch's last trained
+token, so padded rows cost their batch's longest document, not the row length), so the
+packed/padded ratio of useful tokens/s is what packing buys.
 Then, on packed rows, each memory feature alone shows its speed cost against the baseline.
 The step is the stage's own (`build_model`, `build_optimizer_and_scheduler`, `summed_loss`);
 `--warmup` steps (compilation, lazy states) are not timed, `--steps` are.
@@ -24,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from posttrain.data.loader import sft_rows_batch
 from posttrain.data.packing import pack_or_pad
-from posttrain.models import document_positions, preset_config
+from posttrain.models import preset_config
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
 from sft_memory import stage_module, variant_config  # benchmarks/ is on sys.path when run as a script
@@ -48,12 +51,10 @@ def skewed_documents(n: int, seq: int, vocab: int, seed: int) -> tuple[list[np.n
 
 
 def batches(rows: dict[str, np.ndarray], batch_rows: int) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for start in range(0, len(rows["input_ids"]) - batch_rows + 1, batch_rows):
-        b = {k: torch.from_numpy(v[start : start + batch_rows].astype(np.int64)) for k, v in rows.items()}
-        b["position_ids"] = document_positions(b["document_ids"])
-        out.append(b)
-    return out
+    """Consecutive rows as the SFT loader batches them (trimmed after the last trained token)."""
+    return [sft_rows_batch(*(torch.from_numpy(rows[k][start : start + batch_rows].astype(np.int64))
+                             for k in ("input_ids", "labels", "document_ids")))
+            for start in range(0, len(rows["input_ids"]) - batch_rows + 1, batch_rows)]
 
 
 def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list[dict[str, torch.Tensor]],

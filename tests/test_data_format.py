@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chat
+from posttrain.data.loader import TRIM_MULTIPLE, sft_rows_batch
 from posttrain.data.packing import best_fit_decreasing, build_rows, pack_or_pad
 from posttrain.data.tokenize import preference_split, prompt_split, sft_split
-from posttrain.models import Transformer, preset_config
+from posttrain.losses import linear_cross_entropy
+from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import IM_END, Tokenizer, train_bpe_tokenizer
 
 CHAT = [
@@ -198,3 +200,21 @@ def test_multiprocess_tokenization_matches_one_process(tok: Tokenizer, monkeypat
     assert stats_one == stats_two
     for key in one:
         np.testing.assert_array_equal(one[key], two[key])
+
+
+def test_padded_batches_are_cut_after_the_last_trained_token_with_the_same_loss() -> None:
+    torch.manual_seed(0)
+    docs = [list(range(1, n + 1)) for n in (20, 70, 9)]
+    labels = [[IGNORE_INDEX] * 5 + d[6:] + [IGNORE_INDEX] for d in docs]  # prompt, then shifted targets
+    rows = {k: torch.from_numpy(v.astype(np.int64)) for k, v in pack_or_pad(docs, labels, 256, 0, packing=False).items()}
+    batch = sft_rows_batch(rows["input_ids"], rows["labels"], rows["document_ids"])
+    assert batch["input_ids"].shape == (3, TRIM_MULTIPLE * 2)  # the longest trained token is the 69th
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == int((rows["labels"] != IGNORE_INDEX).sum())
+    model = Transformer(preset_config("tiny-student", vocab_size=128)).eval()
+    with torch.no_grad():
+        def loss(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            hidden = model(b["input_ids"], position_ids=document_positions(b["document_ids"]), document_ids=b["document_ids"])
+            return linear_cross_entropy(hidden, model.lm_head, b["labels"], reduction="sum")
+        torch.testing.assert_close(loss(batch), loss(rows), rtol=1e-6, atol=0)
+    untrained = sft_rows_batch(rows["input_ids"], torch.full_like(rows["labels"], IGNORE_INDEX), rows["document_ids"])
+    assert untrained["input_ids"].shape == (3, TRIM_MULTIPLE)

@@ -7,7 +7,8 @@ the batches it would have yielded, on every rank.
 
 Batch keys:
 - `sft_batches` (splits `sft`, `sft_eval`): `input_ids`, `labels`, `document_ids`, `position_ids`
-  ([b, max_seq_len] int64; position ids restart at each document), `index` ([b] row indices).
+  ([b, L] int64, L <= max_seq_len: cut after the batch's last trained token, see `trim_to_trained`;
+  position ids restart at each document), `index` ([b] row indices).
 - `preference_batches`: `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
   `rejected_labels` ([b, L] int64, right-padded to the longest of both sides in the batch, labels
   -100 on the prompt and padding), `index`.
@@ -102,10 +103,34 @@ def _long(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
 
 
+# Trimmed lengths are multiples of this: few distinct shapes for torch.compile, and divisible by any
+# power-of-two tensor-parallel degree up to it (sequence parallelism splits the sequence).
+TRIM_MULTIPLE = 64
+
+
+def trim_to_trained(batch: Batch, multiple: int = TRIM_MULTIPLE) -> Batch:
+    """The batch's [rows, L] tensors cut after its last trained token (rounded up to `multiple`).
+
+    Attention is causal, so positions after a row's last trained token change no loss term: a
+    padded batch of short documents then costs what its longest document costs, not the row length.
+    """
+    full = batch["input_ids"].shape[1]
+    trained = (batch["labels"] != IGNORE_INDEX).any(0).nonzero()
+    length = int(trained[-1]) + 1 if len(trained) else 1
+    length = min(full, -(-length // multiple) * multiple)
+    return {k: v[:, :length] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in batch.items()}
+
+
+def sft_rows_batch(input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor) -> Batch:
+    """A training batch from [rows, L] SFT rows: trimmed, with per-document position ids."""
+    batch = trim_to_trained({"input_ids": input_ids, "labels": labels, "document_ids": document_ids})
+    batch["position_ids"] = document_positions(batch["document_ids"])
+    return batch
+
+
 def _sft_collate(seq_len: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
     def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
-        batch = {k: _long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids")}
-        batch["position_ids"] = document_positions(batch["document_ids"])
+        batch = sft_rows_batch(*(_long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids")))
         batch["index"] = _long(index)
         return batch
 
