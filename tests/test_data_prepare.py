@@ -83,19 +83,20 @@ def test_default_output_stats_match_the_files(default_data: Path) -> None:
     stats = json.loads((default_data / "stats.json").read_text())
     tok = Tokenizer(default_data / "tokenizer")
     assert stats["tokenizer"] == {"vocab_size": tok.vocab_size, "pad_id": tok.pad_id, "eos_ids": tok.eos_ids}
+    sizes = _config()["data"]
     sft = stats["splits"]["sft"]
     assert sft["packing_efficiency"] >= 0.95
-    assert sft["documents"] + stats["splits"]["sft_eval"]["documents"] == 4000  # data.n_sft
+    assert sft["documents"] + stats["splits"]["sft_eval"]["documents"] == sizes["n_sft"]
     columns = load_split(default_data, "sft").with_format("numpy")[:]
     ids, labels = columns["input_ids"], columns["labels"]
-    assert ids.shape == (sft["rows"], 128)
+    assert ids.shape == (sft["rows"], sizes["max_seq_len"])
     assert (ids != tok.pad_id).sum() == sft["tokens"]
     assert (labels != IGNORE_INDEX).sum() == sft["loss_tokens"]
     pref = load_split(default_data, "preference")
-    assert len(pref) == stats["splits"]["preference"]["rows"] == 2000
+    assert len(pref) == stats["splits"]["preference"]["rows"] == sizes["n_preference"]
     # Held-out eval problems appear in no training split.
     eval_ids = set(load_split(default_data, "eval")["id"])
-    assert len(eval_ids) == 200 and not eval_ids & set(load_split(default_data, "prompts")["id"])
+    assert len(eval_ids) == sizes["n_eval"] and not eval_ids & set(load_split(default_data, "prompts")["id"])
     eval_prompts = {json.loads(e)["prompt"] for e in load_split(default_data, "eval")["example"]}
     train_text = tok.decode_batch(ids.tolist(), skip_special_tokens=False)
     assert not any(p + "<|im_end|>" in text for p in eval_prompts for text in train_text)

@@ -212,7 +212,7 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
 # sequence length, and the default distill section (its steps, batch, learning rate, loss).
 LEARN_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add", "sub", "mul"], "digits": 1},
                         {"name": "sort", "length": 3, "max_value": 9}],
-              "n_sft": 500, "n_preference": 8, "n_prompts": 8, "n_eval": 70}
+              "n_sft": 500, "n_preference": 8, "n_prompts": 8, "n_eval": 70, "max_seq_len": 128}
 TEACHER_SFT = {"steps": 600, "batch_size": 16, "checkpoint_every": 1000, "log_every": 50}
 SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "max_grad_norm")
 

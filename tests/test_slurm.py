@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from snakemake_testing import job_counts
 from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
 
 # About 8 minutes on 2 idle cores (each job also starts a nested Snakemake, 10-17 s); the limits
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "envs")
 SLURM_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export")
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")
+TRAINING_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill")
 # The profile's first status check waits 20 s (sized for real clusters); a test wants 2.
 TEST_OVERRIDES = ("--slurm-init-seconds-before-status-checks", "2", "--latency-wait", "5")
 SECTIONS_WITH_RESOURCES = ("data", "sft", "dpo", "reward", "grpo", "distill", "eval", "export")
@@ -81,17 +83,19 @@ def _memory_overlay(workdir: Path) -> Path:
     return path
 
 
+def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, capture_output=True,
+                          text=True, timeout=2200)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
+    smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)))
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm",
-         "--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)), *TEST_OVERRIDES],
-        cwd=workdir, env=slurm_cluster.env, capture_output=True, text=True, timeout=2200,
-    )
+    returncode, output = _snakemake(workdir, slurm_cluster.env, "--profile", "profiles/slurm", *smoke, *TEST_OVERRIDES)
     seconds = time.perf_counter() - start
-    output = proc.stdout + proc.stderr
     print(f"smoke pipeline on Slurm: {seconds:.0f} s")
-    assert proc.returncode == 0, f"{output[-5000:]}\n{_stage_log_tails(workdir)}\n{slurm_cluster.logs()}"
+    assert returncode == 0, f"{output[-5000:]}\n{_stage_log_tails(workdir)}\n{slurm_cluster.logs()}"
 
     # Every stage's output, found through the variant's manifest, is complete.
     results = workdir / "results" / "smoke"
@@ -118,3 +122,31 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
     assert all(state == "COMPLETED" for states in by_rule.values() for state in states), jobs
     assert len(by_rule["evaluate"]) == len(MODEL_STAGES)
     assert "Falling back to 'sacct'" not in output
+
+    # Snakemake's HTML report embeds the report rule's figures and summary table.
+    html = workdir / "report.html"
+    returncode, output = _snakemake(workdir, slurm_cluster.env, *smoke, "--report", str(html))
+    assert returncode == 0, output[-3000:]
+    page = html.read_text()
+    figures = sorted(p.name for p in (results / "report").glob("*.png"))
+    assert figures and all(name in page for name in [*figures, "summary.tsv"]), figures
+    assert page.count("data:image/png;base64,") >= len(figures)
+
+    # Reruns on these results (local profile: where jobs run does not enter any key). An eval setting
+    # reruns the four evals and what reads them (export's model card, the report), no training stage;
+    # sft.lr plans SFT and every stage after it, not data preparation.
+    local = ("--profile", "profiles/local", *smoke)
+    evals = workdir / "eval-overlay.yaml"
+    evals.write_text("eval: {max_new_tokens: 8}\n")
+    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, "--configfile", str(evals))
+    assert returncode == 0, output[-3000:]
+    ran = job_counts(output)
+    assert ran["evaluate"] == len(MODEL_STAGES) and not set(ran) & set(TRAINING_RULES), ran
+    lr = workdir / "lr-overlay.yaml"
+    lr.write_text("sft: {lr: 1.0e-3}\n")
+    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, "--configfile", str(lr), "--dry-run", "--quiet",
+                                    "rules")
+    assert returncode == 0, output[-3000:]
+    planned = job_counts(output)
+    assert set(planned) & set(TRAINING_RULES) == set(TRAINING_RULES) - {"prepare_data"}, planned
+    assert planned["evaluate"] == len(MODEL_STAGES), planned

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from snakemake_testing import job_counts
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export", "report")
 TRAINING = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill")
@@ -90,16 +92,7 @@ class Workflow:
 
     def plan(self, *args: str) -> Counter:
         """Job counts per rule of a dry run (empty when there is nothing to do)."""
-        out = self.snakemake("--dry-run", "--quiet", "rules", *args).output
-        if "Nothing to be done" in out:
-            return Counter()
-        counts = Counter()
-        for line in out.split("Job stats:")[1].splitlines()[3:]:
-            words = line.split()
-            if len(words) != 2 or words[0] == "total":
-                break
-            counts[words[0]] = int(words[1])
-        return counts
+        return job_counts(self.snakemake("--dry-run", "--quiet", "rules", *args).output)
 
     def runs(self) -> Counter:
         """How many times each stage script ran, and forget."""
