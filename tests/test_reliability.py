@@ -6,8 +6,8 @@ test_grpo.py, test_distill.py); config and ablation errors, bad variant names, t
 time (test_workflow*.py); bad model folders (test_checkpoint.py); bad data rows
 (test_data_sources.py); the export's token scrubbing (test_export.py).
 
-Here: byte-identical reruns and provenance; SIGKILL at a random step (GRPO) and SIGTERM (DPO, GRPO)
-resumed bitwise, and a kill before the first checkpoint; skipping non-finite batches; the OOM hint;
+Here: byte-identical reruns and provenance; SIGKILL at a random step (SFT, DPO, GRPO, distillation) and
+SIGTERM (DPO, GRPO) resumed bitwise, and a kill before the first checkpoint; skipping non-finite batches; the OOM hint;
 one error line per bad input from the stage scripts themselves, nothing lost; source checks (no
 pickle loads, no remote code, Ray on loopback, outputs written atomically); no token in any
 output; Snakemake's lock.
@@ -48,6 +48,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "dpo": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1, "lr": 1e-3},
     "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 10, "checkpoint_every": 2,
              "log_every": 1, "eval_prompts": 8, "lr": 1e-3},
+    "distill": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1,
+                "eval_prompts": 4, "max_new_tokens": 8},
 }
 # Fields of metrics.jsonl / posttrain.json that measure time, not results.
 TIMING = {"started", "wall_time_s", "step_s", "tokens_per_s", "samples_per_s", "trainer_idle_frac", "generate_s",
@@ -75,9 +77,10 @@ def stage_config(stage: str, key: str | None = None, **section: Any) -> dict[str
 
 
 def stage_command(stage: str, cfg: dict[str, Any], out: Path, data: Path, model: Path | None) -> list[str]:
-    """The stage's command line; `model` is the starting model folder (unused by SFT, which starts from a preset)."""
+    """The stage's command line; `model` is the starting model folder (distillation's teacher; unused by SFT,
+    which starts from a preset)."""
     config = write_config(cfg, out.parent / f"{out.name}.json")
-    inputs = ["--data", str(data)] + ([] if stage == "sft" else ["--model", str(model)])
+    inputs = ["--data", str(data)] + ([] if stage == "sft" else ["--teacher" if stage == "distill" else "--model", str(model)])
     return [sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--config", str(config), "--out", str(out), *inputs]
 
 
@@ -176,10 +179,11 @@ def _interrupt_with_sigterm(stage: str, cfg: dict[str, Any], out: Path, data: Pa
     return proc.returncode, stderr
 
 
-# Fixed-step SIGKILL resumes of each stage are in its own tests; here the step is random (before the first
-# checkpoint, too) and SIGTERM (only SFT's is tested elsewhere) must leave a resumable checkpoint.
+# SIGKILL at a random step (before the first checkpoint, too) of every training stage, and SIGTERM (only SFT's
+# is tested elsewhere) must leave a resumable checkpoint.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,interrupt", [("grpo", "sigkill"), ("dpo", "sigterm"), ("grpo", "sigterm")])
+@pytest.mark.parametrize("stage,interrupt", [("sft", "sigkill"), ("dpo", "sigkill"), ("grpo", "sigkill"),
+                                             ("distill", "sigkill"), ("dpo", "sigterm"), ("grpo", "sigterm")])
 def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data_dir, start_model, tmp_path):
     steps, every = SECTIONS[stage]["steps"], SECTIONS[stage]["checkpoint_every"]
     cfg = stage_config(stage)
