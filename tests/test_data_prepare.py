@@ -85,7 +85,7 @@ def test_default_output_stats_match_the_files(default_data: Path) -> None:
     assert stats["tokenizer"] == {"vocab_size": tok.vocab_size, "pad_id": tok.pad_id, "eos_ids": tok.eos_ids}
     sizes = _config()["data"]
     sft = stats["splits"]["sft"]
-    assert sft["packing_efficiency"] >= 0.95
+    assert sft["packing_efficiency"] >= 0.9  # documents of ~20 tokens in rows of 64
     assert sft["documents"] + stats["splits"]["sft_eval"]["documents"] == sizes["n_sft"]
     columns = load_split(default_data, "sft").with_format("numpy")[:]
     ids, labels = columns["input_ids"], columns["labels"]
@@ -118,7 +118,7 @@ def test_sft_loader_is_deterministic_resumable_and_sharded(default_data: Path) -
     assert not torch.equal(run[0]["index"], next(sft_batches(default_data, 64, seed=4))["index"])
 
     shards = [next(sft_batches(default_data, 64, seed=3, rank=r, world_size=2)) for r in range(2)]
-    assert shards[0]["input_ids"].shape == (32, 128)
+    assert shards[0]["input_ids"].shape == (32, _config()["data"]["max_seq_len"])  # packed rows run to the end
     assert torch.equal(torch.cat([s["index"] for s in shards]), run[0]["index"])
     assert torch.equal(torch.cat([s["input_ids"] for s in shards]), run[0]["input_ids"])
 
