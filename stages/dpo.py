@@ -65,7 +65,8 @@ from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 STAGE = "dpo"
-STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
+STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected",
+                "nll/chosen")
 
 
 def parse_args() -> argparse.Namespace:
@@ -133,7 +134,7 @@ def pair_loss(dpo: dict[str, Any], policy: PairLogps,
     return preference_loss(
         dpo["loss"], policy.chosen, policy.rejected, policy.chosen_tokens, policy.rejected_tokens,
         ref_chosen, ref_rejected, beta=float(dpo["beta"]), label_smoothing=float(dpo["label_smoothing"]),
-        simpo_gamma=float(dpo["simpo_gamma"]),
+        simpo_gamma=float(dpo["simpo_gamma"]), chosen_nll_weight=float(dpo["chosen_nll_weight"]),
     )
 
 

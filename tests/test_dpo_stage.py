@@ -111,7 +111,9 @@ def test_dpo_learns_held_out_preferences_without_collapse(sft, tmp_path):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, DPO["steps"] + 1))
     assert all(STEP_KEYS <= r.keys() for r in steps)
-    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 1
+    # Policy == reference at step 1: log 2, plus the weighted NLL of the chosen responses (RPO term).
+    weight = dpo_config("dpo-e2e", **DPO)["dpo"]["chosen_nll_weight"]
+    assert steps[0]["loss"] == pytest.approx(0.6931 + weight * steps[0]["nll/chosen"], abs=1e-3)
     first, last = steps[:10], steps[-10:]
     assert mean(last, "loss") < mean(first, "loss") - 0.05
     assert mean(last, "rewards/margin") > mean(first, "rewards/margin")

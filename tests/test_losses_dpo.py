@@ -125,3 +125,14 @@ def test_dpo_on_chunked_sequence_logprobs_equals_full_logits():
     (g_chunked,) = torch.autograd.grad(loss, hidden)
     (g_full,) = torch.autograd.grad(full_loss, hidden)
     assert ((g_chunked - g_full).norm() / g_full.norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_chosen_nll_term_adds_the_weighted_per_token_nll_of_the_chosen_responses(loss_type):
+    pc, pr, rc, rr, lc, lr = random_logps(5)
+    refs = (rc, rr) if loss_type != "simpo" else ()
+    plain, _ = preference_loss(loss_type, pc, pr, lc, lr, *refs, beta=0.2)
+    with_nll, metrics = preference_loss(loss_type, pc, pr, lc, lr, *refs, beta=0.2, chosen_nll_weight=0.7)
+    nll = sum(-pc[i].item() / lc[i].item() for i in range(N)) / N  # RPO: mean over pairs of the per-token NLL
+    assert with_nll.item() == pytest.approx(plain.item() + 0.7 * nll, rel=1e-12)
+    assert metrics["nll/chosen"].item() == pytest.approx(nll, rel=1e-12)

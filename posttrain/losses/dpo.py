@@ -108,16 +108,28 @@ def preference_loss(
     beta: float,
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
+    chosen_nll_weight: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dispatch on the ``dpo.loss`` config value; reference log-probs are needed except for SimPO."""
+    """Dispatch on the ``dpo.loss`` config value; reference log-probs are needed except for SimPO.
+
+    ``chosen_nll_weight`` > 0 adds that multiple of the chosen responses' per-token negative
+    log-likelihood (RPO, Pang et al. 2024): preference losses can lower the chosen likelihood along
+    with the rejected one, and with it the model's greedy answers; the NLL term holds it up.
+    """
     if loss_type == "simpo":
-        return simpo_loss(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, simpo_gamma)
-    if loss_type not in ("sigmoid", "ipo"):
+        loss, metrics = simpo_loss(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, simpo_gamma)
+    elif loss_type not in ("sigmoid", "ipo"):
         raise ValueError(f"dpo.loss must be one of sigmoid, ipo, simpo; got {loss_type!r}")
-    if ref_chosen is None or ref_rejected is None:
+    elif ref_chosen is None or ref_rejected is None:
         raise ValueError(f"dpo.loss={loss_type} needs reference log-probs")
-    if loss_type == "sigmoid":
-        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing)
-    return ipo_loss(
-        policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, beta
-    )
+    elif loss_type == "sigmoid":
+        loss, metrics = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing)
+    else:
+        loss, metrics = ipo_loss(
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, beta
+        )
+    nll = (-policy_chosen / chosen_lengths.clamp(min=1)).mean()
+    metrics["nll/chosen"] = nll.detach()
+    if chosen_nll_weight:
+        loss = loss + chosen_nll_weight * nll
+    return loss, metrics
