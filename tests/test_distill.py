@@ -218,6 +218,7 @@ SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_ste
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three trainings: ~10 min on 2 idle cores
 def test_kd_student_reaches_teacher_accuracy_and_beats_sft_alone(tmp_path):
     data = prepare_data(tmp_path, LEARN_DATA)
     teacher = tmp_path / "teacher"

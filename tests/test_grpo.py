@@ -31,6 +31,7 @@ def sync_run(policy, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # includes the module's starting SFT (~3 min) and the sync run
 def test_sync_grpo_raises_held_out_accuracy(sync_run):
     result = summary(sync_run)
     assert result["eval_accuracy_after"] - result["eval_accuracy_before"] >= MIN_GAIN, result
@@ -46,6 +47,7 @@ def test_sync_grpo_raises_held_out_accuracy(sync_run):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_async_grpo_with_ray_stays_within_the_staleness_bound_and_learns_like_sync(policy, sync_run, tmp_path):
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (pip install posttrain[ray])")
