@@ -62,8 +62,9 @@ def make_model(results: Path, tok: Tokenizer, stage: str, key: str, upstream: di
     """A random tiny Qwen3 model folder as a training stage writes it (weights, tokenizer, posttrain.json)."""
     torch.manual_seed(seed)
     hf = preset_config("tiny", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16)
+    # head_dim 32: vLLM's CPU attention kernels do not take 16 (the export test loads this model in vLLM).
+    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=32)
     model = Transformer(hf)
     out = results / stage / key
     save_hf_model(model.state_dict(), model.hf_config, out)
