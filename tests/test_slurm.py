@@ -132,10 +132,10 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
     assert figures and "summary.tsv" in page, figures
     assert all(f"data:image/png;charset=utf8;filename={name};base64,iVBORw0KGgo" in page for name in figures)  # PNG bytes inline
 
-    # Reruns on these results (local profile: where jobs run does not enter any key). An eval setting
-    # reruns the four evals and what reads them (export's model card, the report), no training stage;
-    # sft.lr plans SFT and every stage after it, not data preparation.
-    local = ("--profile", "profiles/local", *smoke)
+    # Reruns on these results, through the same profile (its launcher is a rule param, which Snakemake
+    # compares). An eval setting reruns the four evals and what reads them (export's model card, the
+    # report), no training stage; sft.lr plans SFT and every stage after it, not data preparation.
+    local = ("--profile", "profiles/slurm", *smoke, *TEST_OVERRIDES)
     evals = workdir / "eval-overlay.yaml"
     evals.write_text("eval: {max_new_tokens: 8}\n")
     returncode, output = _snakemake(workdir, slurm_cluster.env, *local, "--configfile", str(evals))
