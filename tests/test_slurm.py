@@ -132,20 +132,19 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
     assert figures and "summary.tsv" in page, figures
     assert all(f"data:image/png;charset=utf8;filename={name};base64,iVBORw0KGgo" in page for name in figures)  # PNG bytes inline
 
-    # Reruns on these results, through the same profile (its launcher is a rule param, which Snakemake
-    # compares). An eval setting reruns the four evals and what reads them (export's model card, the
+    # Reruns on these results (local profile: where jobs run enters no key). An eval setting reruns the four evals and what reads them (export's model card, the
     # report), no training stage; sft.lr plans SFT and every stage after it, not data preparation.
-    local = ("--profile", "profiles/slurm", *smoke, *TEST_OVERRIDES)
+    local = ("--profile", "profiles/local")
     evals = workdir / "eval-overlay.yaml"
     evals.write_text("eval: {max_new_tokens: 8}\n")
-    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, "--configfile", str(evals))
+    # One --configfile list: a second --configfile flag would replace the smoke files, not add to them.
+    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, *smoke, str(evals))
     assert returncode == 0, output[-3000:]
     ran = job_counts(output)
     assert ran["evaluate"] == len(MODEL_STAGES) and not set(ran) & set(TRAINING_RULES), ran
     lr = workdir / "lr-overlay.yaml"
     lr.write_text("sft: {lr: 1.0e-3}\n")
-    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, "--configfile", str(lr), "--dry-run", "--quiet",
-                                    "rules")
+    returncode, output = _snakemake(workdir, slurm_cluster.env, *local, *smoke, str(lr), "--dry-run", "--quiet", "rules")
     assert returncode == 0, output[-3000:]
     planned = job_counts(output)
     assert set(planned) & set(TRAINING_RULES) == set(TRAINING_RULES) - {"prepare_data"}, planned
