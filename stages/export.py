@@ -29,7 +29,6 @@ from safetensors import safe_open
 from posttrain.checkpoint import CheckpointError, load_hf_model, save_hf_model, weight_files
 from posttrain.config import load_resolved_config
 from posttrain.export.hub import hub_token, push_folder, push_plan
-from posttrain.export.int8 import save_int8_copy
 from posttrain.export.model_card import render_model_card
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.export import DTYPES
@@ -92,6 +91,8 @@ def main() -> None:
                       generation_config=generation_config(model_dir, tok))
         tok.save(out)
         if ex["int8"]:
+            from posttrain.export.int8 import save_int8_copy  # torchao: seconds of import, only when asked
+
             save_int8_copy(model.to(dtype), out, out / "int8")
             tok.save(out / "int8")
         (out / "README.md").write_text(render_model_card(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.data.tasks import SPLITS, TASKS, make_splits
+from posttrain.data.tasks import SPLITS, TASKS, _digest, _on_eval_side, build_task, make_splits
 from posttrain.rewards import TASK_VERIFIERS, format_reward, task_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,23 @@ def test_eval_never_overlaps_training_across_seeds_sizes_and_mixes():
         for rows in run.values():
             for r in rows:
                 assert ids.setdefault(r["prompt"], r["id"]) == r["id"]
+
+
+def _train_side_size(task_cfg) -> int:
+    task = build_task(task_cfg)
+    return sum(not _on_eval_side(_digest(task.key(task.problem(i)))) for i in range(task.size))
+
+
+def test_training_splits_share_problems_only_once_the_train_side_is_used_up():
+    sort = [{"name": "sort", "length": 3, "max_value": 9}]  # 1,000 problems, about 900 on the train side
+    available = _train_side_size(sort[0])
+    disjoint = make_splits(sort, {"sft": 400, "preference": 300, "prompts": 150}, seed=5)
+    ids = [{r["id"] for r in disjoint[s]} for s in ("sft", "preference", "prompts")]
+    assert len(set.union(*ids)) == 850
+    # past the train side, the prompts split reuses exactly the shortfall
+    full = make_splits(sort, {"sft": 600, "prompts": 600}, seed=5)
+    sft, prompts = ({r["id"] for r in full[s]} for s in ("sft", "prompts"))
+    assert len(sft & prompts) == 1200 - available > 0
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

@@ -249,11 +249,17 @@ def _even_counts(n: int, parts: int) -> list[int]:
 
 
 def _draw(task: Task, n: int, eval_side: bool, taken: set[str], rng: random.Random,
-          pool: list[int] | None, where: str, split: str) -> list[Any]:
-    """``n`` distinct problems on one side of the eval hash, not in ``taken`` (updated in place)."""
+          pool: list[int] | None, where: str, split: str, used: set[str]) -> list[Any]:
+    """``n`` distinct problems on one side of the eval hash, not in ``taken`` (updated in place).
+
+    From an enumerated ``pool``, problems outside ``used`` (those earlier training splits hold)
+    come first and the rest only when they run out; ``used`` gains the picked keys.
+    """
     side = "eval" if eval_side else "train"
     if pool is not None:
-        candidates = map(task.problem, rng.sample(pool, len(pool)))
+        shuffled = [task.problem(index) for index in rng.sample(pool, len(pool))]
+        fresh = [problem for problem in shuffled if task.key(problem) not in used]
+        candidates = iter(fresh + [problem for problem in shuffled if task.key(problem) in used])
     else:
         available = task.size // EVAL_BUCKETS if eval_side else task.size - task.size // EVAL_BUCKETS
         if n > available // 2:  # keeps rejection sampling fast and the answer certain
@@ -270,6 +276,7 @@ def _draw(task: Task, n: int, eval_side: bool, taken: set[str], rng: random.Rand
         key = task.key(problem)
         if key not in taken and _on_eval_side(_digest(key)) == eval_side:
             taken.add(key)
+            used.add(key)
             picked.append(problem)
     if len(picked) < n:
         raise ValueError(
@@ -284,7 +291,10 @@ def make_splits(tasks_cfg: Sequence[Mapping[str, Any]], sizes: Mapping[str, int]
     """Generate the requested splits (keys of ``sizes``, from `SPLITS`), tasks mixed evenly.
 
     Problems are distinct within a split; the eval split shares no problem with any other split
-    (in this or any other run); output is identical for the same arguments.
+    (in this or any other run); output is identical for the same arguments. The training splits
+    (sft, preference, prompts, in that order) of an enumerable task share a problem only once its
+    train side is used up: RL prompts the model never saw solved in SFT or DPO reward solving,
+    not recall of memorized answers. Sampled (huge) problem spaces overlap rarely by size alone.
     """
     if isinstance(tasks_cfg, (str, Mapping)) or not isinstance(tasks_cfg, Sequence) or not tasks_cfg:
         raise ValueError(f"data.tasks: must be a non-empty list of task mappings, got {tasks_cfg!r}")
@@ -300,13 +310,14 @@ def make_splits(tasks_cfg: Sequence[Mapping[str, Any]], sizes: Mapping[str, int]
                 side = _on_eval_side(_digest(task.key(task.problem(index))))
                 pools.setdefault((i, side), []).append(index)
     splits = {}
+    used: dict[int, set[str]] = {i: set() for i in range(len(tasks))}  # per task: keys of earlier training splits
     for split in (s for s in SPLITS if s in sizes):
         taken: set[str] = set()
         rows = []
         for i, (task, n) in enumerate(zip(tasks, _even_counts(sizes[split], len(tasks)))):
             rng = random.Random(f"{seed}/{split}/{i}")
             pool = pools.get((i, split == "eval"), []) if task.size <= EXHAUSTIVE_LIMIT else None
-            for problem in _draw(task, n, split == "eval", taken, rng, pool, f"data.tasks[{i}]", split):
+            for problem in _draw(task, n, split == "eval", taken, rng, pool, f"data.tasks[{i}]", split, used[i]):
                 rows.append(task.example(problem, rng))
         random.Random(f"{seed}/{split}").shuffle(rows)
         splits[split] = rows
