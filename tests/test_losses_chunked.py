@@ -16,12 +16,6 @@ from posttrain.losses import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from posttrain.losses import chunked
-
-WHOLE_LOGITS_LIMIT = chunked.SMALL_LOGITS
-
-
-pytestmark = pytest.mark.usefixtures("chunk_small_logits")
 
 B, S, D, V = 3, 11, 16, 97
 CHUNKS = [1, 3, 8, 64]  # 64 > kept tokens: empty chunks are skipped
@@ -109,20 +103,6 @@ def test_checkpointed_chunks_keep_no_logits_for_backward():
 
     assert largest_saved(True) < V * 4
     assert largest_saved(False) >= V * (kept // 4)
-
-
-def test_small_logits_go_whole_in_one_plain_call(monkeypatch):
-    """Under the default threshold these logits (33 rows x 97) are computed once, whole, and
-    kept for backward however many chunks are asked for; the loss is the same."""
-    hidden, project, labels = make_batch(5)
-    chunked_loss = linear_cross_entropy(hidden, project, labels, num_chunks=4, checkpoint_chunks=True)
-    monkeypatch.setattr(chunked, "SMALL_LOGITS", WHOLE_LOGITS_LIMIT)
-    kept = num_loss_tokens(labels).item()
-    sizes: list[int] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
-        whole = linear_cross_entropy(hidden, project, labels, num_chunks=4, checkpoint_chunks=True)
-    assert max(sizes) >= V * kept
-    assert whole.item() == pytest.approx(chunked_loss.item(), rel=1e-6)
 
 
 def naive_token_logprobs(hidden, project, targets, temperature=1.0):

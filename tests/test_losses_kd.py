@@ -9,9 +9,6 @@ from torch import nn
 
 from posttrain.losses import IGNORE_INDEX, kd_loss, token_divergence
 
-
-pytestmark = pytest.mark.usefixtures("chunk_small_logits")
-
 B, S, V = 2, 13, 97
 STUDENT_D, TEACHER_D = 12, 20
 

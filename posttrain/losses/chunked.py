@@ -23,17 +23,6 @@ Project = Callable[[Tensor], Tensor]
 (calling the module, not reading its weight, keeps FSDP2's hooks working)."""
 
 
-SMALL_LOGITS = 1 << 22
-"""Logits of at most this many elements (16 MiB in float32) are computed whole, neither chunked
-nor checkpointed: splitting them saves no memory worth the recomputation (tiny models, short
-batches), while a real vocabulary (151,936) reaches it at 28 rows."""
-
-
-def output_width(project: Project) -> int | None:
-    """The logits width of ``project`` when it is a linear layer (FSDP2-sharded included), else None."""
-    return getattr(project, "out_features", None)
-
-
 def kept_indices(mask: Tensor) -> Tensor:
     """Flat indices of the True positions of ``mask`` (any shape)."""
     return mask.reshape(-1).nonzero().squeeze(1)
@@ -57,7 +46,6 @@ def map_row_chunks(
     rows: Sequence[Tensor],
     num_chunks: int,
     checkpoint_chunks: bool = True,
-    logits_width: int | None = None,
 ) -> tuple[Tensor, ...]:
     """Apply ``fn`` to ``num_chunks`` consecutive slices of ``rows`` and concatenate the results.
 
@@ -66,16 +54,13 @@ def map_row_chunks(
     slice length. Under ``checkpoint_chunks`` each call is recomputed in backward instead of
     keeping its intermediates (the logits), so only one chunk's logits are ever alive.
     With N == 0, ``fn`` still runs once on the empty rows so the loss stays connected to the
-    projection's parameters (every rank of a sharded model must take part in backward). Given
-    ``logits_width``, rows whose logits stay within `SMALL_LOGITS` elements go in one plain call.
+    projection's parameters (every rank of a sharded model must take part in backward).
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     n = rows[0].shape[0]
     if any(r.shape[0] != n for r in rows):
         raise ValueError(f"row tensors disagree on length: {[tuple(r.shape) for r in rows]}")
-    if logits_width is not None and n * logits_width <= SMALL_LOGITS:
-        num_chunks, checkpoint_chunks = 1, False
     slices = [s for s in zip(*(r.tensor_split(num_chunks) for r in rows)) if s[0].shape[0] > 0]
     use_checkpoint = checkpoint_chunks and torch.is_grad_enabled()
     outputs: list[tuple[Tensor, ...]] = []

@@ -21,7 +21,6 @@ from posttrain.losses.chunked import (
     gather_rows,
     kept_indices,
     map_row_chunks,
-    output_width,
     scatter_rows,
 )
 
@@ -58,7 +57,7 @@ def kept_token_logprobs(
         logits = project(h).float() / temperature
         return -F.cross_entropy(logits, y, reduction="none")
 
-    (logps,) = map_row_chunks(chunk_logprobs, (rows, ids), num_chunks, checkpoint_chunks, output_width(project))
+    (logps,) = map_row_chunks(chunk_logprobs, (rows, ids), num_chunks, checkpoint_chunks)
     return logps
 
 
@@ -143,6 +142,5 @@ def token_logprobs_and_entropy(
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), entropy
 
-    logps, entropy = map_row_chunks(chunk_logprobs_entropy, (rows, ids), num_chunks, checkpoint_chunks,
-                                     output_width(project))
+    logps, entropy = map_row_chunks(chunk_logprobs_entropy, (rows, ids), num_chunks, checkpoint_chunks)
     return scatter_rows(logps, index, targets.shape), scatter_rows(entropy, index, targets.shape)
