@@ -132,8 +132,9 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
     assert figures and "summary.tsv" in page, figures
     assert all(f"data:image/png;charset=utf8;filename={name};base64,iVBORw0KGgo" in page for name in figures)  # PNG bytes inline
 
-    # Reruns on these results (local profile: where jobs run enters no key). An eval setting reruns the four evals and what reads them (export's model card, the
-    # report), no training stage; sft.lr plans SFT and every stage after it, not data preparation.
+    # Reruns on these results (local profile: where jobs run enters no key). An eval setting reruns
+    # the four evals and what reads them (export's model card, the report), no training stage;
+    # sft.lr plans SFT and every stage after it, not data preparation.
     local = ("--profile", "profiles/local")
     evals = workdir / "eval-overlay.yaml"
     evals.write_text("eval: {max_new_tokens: 8}\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.data.tasks import SPLITS, TASKS, _digest, _on_eval_side, build_task, make_splits
+from posttrain.data.tasks import SPLITS, TASKS, build_task, is_held_out, make_splits
 from posttrain.rewards import TASK_VERIFIERS, format_reward, task_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_eval_never_overlaps_training_across_seeds_sizes_and_mixes():
 
 def _train_side_size(task_cfg) -> int:
     task = build_task(task_cfg)
-    return sum(not _on_eval_side(_digest(task.key(task.problem(i)))) for i in range(task.size))
+    return sum(not is_held_out(task, task.problem(i)) for i in range(task.size))
 
 
 def test_training_splits_share_problems_only_once_the_train_side_is_used_up():

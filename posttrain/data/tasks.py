@@ -43,6 +43,11 @@ def _on_eval_side(digest: bytes) -> bool:
     return int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0
 
 
+def is_held_out(task: Task, problem: Any) -> bool:
+    """Whether ``problem`` is on the eval side of ``task``'s hash split."""
+    return _on_eval_side(_digest(task.key(problem)))
+
+
 class Task(ABC):
     """A problem space indexed by ``range(size)`` plus how to state, solve and get one wrong."""
 
@@ -257,9 +262,8 @@ def _draw(task: Task, n: int, eval_side: bool, taken: set[str], rng: random.Rand
     """
     side = "eval" if eval_side else "train"
     if pool is not None:
-        shuffled = [task.problem(index) for index in rng.sample(pool, len(pool))]
-        fresh = [problem for problem in shuffled if task.key(problem) not in used]
-        candidates = iter(fresh + [problem for problem in shuffled if task.key(problem) in used])
+        shuffled = (task.problem(index) for index in rng.sample(pool, len(pool)))
+        candidates = iter(sorted(shuffled, key=lambda problem: task.key(problem) in used))  # stable: fresh first
     else:
         available = task.size // EVAL_BUCKETS if eval_side else task.size - task.size // EVAL_BUCKETS
         if n > available // 2:  # keeps rejection sampling fast and the answer certain
@@ -307,10 +311,10 @@ def make_splits(tasks_cfg: Sequence[Mapping[str, Any]], sizes: Mapping[str, int]
     for i, task in enumerate(tasks):
         if task.size <= EXHAUSTIVE_LIMIT:
             for index in range(task.size):
-                side = _on_eval_side(_digest(task.key(task.problem(index))))
+                side = is_held_out(task, task.problem(index))
                 pools.setdefault((i, side), []).append(index)
     splits = {}
-    used: dict[int, set[str]] = {i: set() for i in range(len(tasks))}  # per task: keys of earlier training splits
+    used: list[set[str]] = [set() for _ in tasks]  # per task: keys of earlier training splits
     for split in (s for s in SPLITS if s in sizes):
         taken: set[str] = set()
         rows = []
