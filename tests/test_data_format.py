@@ -202,19 +202,33 @@ def test_multiprocess_tokenization_matches_one_process(tok: Tokenizer, monkeypat
         np.testing.assert_array_equal(one[key], two[key])
 
 
-def test_padded_batches_are_cut_after_the_last_trained_token_with_the_same_loss() -> None:
+def test_padded_batches_go_padding_free_and_are_cut_after_the_last_trained_token_with_the_same_loss() -> None:
     torch.manual_seed(0)
-    docs = [list(range(1, n + 1)) for n in (20, 70, 9)]
-    labels = [[IGNORE_INDEX] * 5 + d[6:] + [IGNORE_INDEX] for d in docs]  # prompt, then shifted targets
-    rows = {k: torch.from_numpy(v.astype(np.int64)) for k, v in pack_or_pad(docs, labels, 256, 0, packing=False).items()}
-    batch = sft_rows_batch(rows["input_ids"], rows["labels"], rows["document_ids"])
-    assert batch["input_ids"].shape == (3, TRIM_MULTIPLE * 2)  # the longest trained token is the 69th
-    assert int((batch["labels"] != IGNORE_INDEX).sum()) == int((rows["labels"] != IGNORE_INDEX).sum())
-    model = Transformer(preset_config("tiny-student", vocab_size=128)).eval()
-    with torch.no_grad():
-        def loss(b: dict[str, torch.Tensor]) -> torch.Tensor:
+    model = Transformer(preset_config("tiny-student", vocab_size=256)).eval()
+
+    def loss(b: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
             hidden = model(b["input_ids"], position_ids=document_positions(b["document_ids"]), document_ids=b["document_ids"])
             return linear_cross_entropy(hidden, model.lm_head, b["labels"], reduction="sum")
-        torch.testing.assert_close(loss(batch), loss(rows), rtol=1e-6, atol=0)
+
+    def rows_of(lengths: tuple[int, ...], grouping: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+        """One padded document per row, or the documents grouped into rows as given."""
+        docs = [list(range(1, n + 1)) for n in lengths]
+        labels = [[IGNORE_INDEX] * 5 + d[6:] + [IGNORE_INDEX] for d in docs]  # prompt, then shifted targets
+        rows = build_rows(docs, labels, grouping, 256, 0) if grouping else pack_or_pad(docs, labels, 256, 0, False)
+        return {k: torch.from_numpy(v.astype(np.int64)) for k, v in rows.items()}
+
+    # (documents, rows and length of the batch): three short padded rows share one row (spans of
+    # 19 + 69 + 8 tokens, cut at 128); spans that fill a row each stay where they are; two rows of
+    # two documents each become one row of four documents that never attend to each other.
+    cases = [((20, 70, 9), None, (1, TRIM_MULTIPLE * 2)), ((200, 180), None, (2, 256)),
+             ((60, 30, 50, 40), [[0, 1], [2, 3]], (1, TRIM_MULTIPLE * 3))]
+    for lengths, grouping, shape in cases:
+        rows = rows_of(lengths, grouping)
+        batch = sft_rows_batch(rows["input_ids"], rows["labels"], rows["document_ids"])
+        assert tuple(batch["input_ids"].shape) == shape, lengths
+        assert int((batch["labels"] != IGNORE_INDEX).sum()) == int((rows["labels"] != IGNORE_INDEX).sum())
+        torch.testing.assert_close(loss(batch), loss(rows), rtol=1e-5, atol=0)
+    rows = rows_of((20, 70, 9))
     untrained = sft_rows_batch(rows["input_ids"], torch.full_like(rows["labels"], IGNORE_INDEX), rows["document_ids"])
     assert untrained["input_ids"].shape == (3, TRIM_MULTIPLE)

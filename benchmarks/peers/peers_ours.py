@@ -8,7 +8,8 @@ checkpointing, plain AdamW, no compile), float32 on CPU, one process.
 - SFT: `sft_memory.train_step` (the stage's `summed_loss`, divided by the loss tokens, clip,
   AdamW) on rows from `posttrain.data.packing.pack_or_pad`: packed rows with per-document
   attention, or one document per row padded to the row length (what data prep writes with
-  `data.packing: false`).
+  `data.packing: false`), batched as the SFT loader batches them (padding-free: the rows' trained
+  spans repacked into as few rows as fit, per-document attention).
 - DPO: `dpo_memory.train_step` (sigmoid DPO on chunked pair log-probs) with the reference
   log-probs precomputed in setup by the starting model (`dpo.reference: precompute`).
 - GRPO: `_posttrain_step.grpo_step`: the stage's sync step with the native KV-cache sampler.
@@ -162,15 +163,15 @@ def _step(state: dict[str, Any], batch: Any, step: int) -> tuple[float, int]:
 
         out = grpo_step(state, batch, seed=state["settings"].seed + step)
         return out["loss"], out["useful_tokens"]
-    state["batch"] = {k: v.to(state["device"]) for k, v in batch.items()}
     if kind == "sft":
         from sft_memory import train_step
 
-        useful = int((batch["input_ids"] != PAD_ID).sum())
+        batch, useful = batch  # useful: the non-pad tokens of the rows as stored (TRL's count)
     else:
         from dpo_memory import train_step
 
         useful = int((batch["chosen_input_ids"] != PAD_ID).sum() + (batch["rejected_input_ids"] != PAD_ID).sum())
+    state["batch"] = {k: v.to(state["device"]) for k, v in batch.items()}
     return train_step(state), useful
 
 

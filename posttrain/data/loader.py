@@ -7,8 +7,9 @@ the batches it would have yielded, on every rank.
 
 Batch keys:
 - `sft_batches` (splits `sft`, `sft_eval`): `input_ids`, `labels`, `document_ids`, `position_ids`
-  ([b, L] int64, L <= max_seq_len: cut after the batch's last trained token, see `trim_to_trained`;
-  position ids restart at each document), `index` ([b] row indices).
+  ([r, L] int64, r <= b: the rows' trained spans repacked into fewer rows when they fit, see
+  `repack_trained_spans`; L <= max_seq_len: cut after the batch's last trained token, see
+  `trim_to_trained`; position ids restart at each document), `index` ([b] dataset row indices).
 - `preference_batches`: `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
   `rejected_labels` ([b, L] int64, right-padded to the longest of both sides in the batch, labels
   -100 on the prompt and padding), `index`.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from posttrain.data.chat import IGNORE_INDEX
+from posttrain.data.packing import repack_trained_spans
 from posttrain.data.store import load_split
 from posttrain.models import document_positions
 from posttrain.tokenizer import Tokenizer
@@ -121,9 +123,13 @@ def trim_to_trained(batch: Batch, multiple: int = TRIM_MULTIPLE) -> Batch:
     return {k: v[:, :length] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in batch.items()}
 
 
-def sft_rows_batch(input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor) -> Batch:
-    """A training batch from [rows, L] SFT rows: trimmed, with per-document position ids."""
-    batch = trim_to_trained({"input_ids": input_ids, "labels": labels, "document_ids": document_ids})
+def sft_rows_batch(input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor,
+                   repack: bool = True) -> Batch:
+    """A training batch from [rows, L] SFT rows: padding-free (trained spans repacked; `repack=False`
+    keeps the rows as stored, for comparison), trimmed, with per-document position ids."""
+    rows = (input_ids, labels, document_ids)
+    batch = trim_to_trained(dict(zip(("input_ids", "labels", "document_ids"),
+                                     repack_trained_spans(*rows) if repack else rows)))
     batch["position_ids"] = document_positions(batch["document_ids"])
     return batch
 

@@ -11,6 +11,7 @@ import bisect
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from posttrain.losses.chunked import IGNORE_INDEX
 
@@ -75,3 +76,37 @@ def pack_or_pad(
     lengths = [len(d) for d in docs_ids]
     rows = best_fit_decreasing(lengths, max_len) if packing else [[i] for i in range(len(lengths))]
     return build_rows(docs_ids, docs_labels, rows, max_len, pad_id)
+
+
+def repack_trained_spans(
+    input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[rows, L] SFT rows with each row's span up to its last trained token packed into as few rows as fit.
+
+    Attention is causal and per document, so what follows a row's last trained token changes no
+    loss term: each row's span is a unit that can share a row with others (the same loss, fewer
+    positions computed: padding-free batches). Spans keep their documents apart by fresh document
+    ids; a new row's tail holds token 0, no label and a document of its own. The rows come back
+    unchanged unless packing saves at least one row.
+    """
+    rows, width = input_ids.shape
+    trained = labels != IGNORE_INDEX
+    ends = torch.where(trained.any(1), width - trained.flip(1).int().argmax(1), 0).tolist()
+    spans = [r for r in range(rows) if ends[r]]
+    groups = best_fit_decreasing([ends[r] for r in spans], width) if spans else []
+    if not spans or len(groups) >= rows:
+        return input_ids, labels, document_ids
+    out_ids = input_ids.new_zeros(len(groups), width)
+    out_labels = labels.new_full((len(groups), width), IGNORE_INDEX)
+    out_docs = document_ids.new_empty(len(groups), width)
+    for g, group in enumerate(groups):
+        pos, next_doc = 0, 0
+        for r in (spans[i] for i in group):
+            n = ends[r]
+            out_ids[g, pos : pos + n] = input_ids[r, :n]
+            out_labels[g, pos : pos + n] = labels[r, :n]
+            docs = document_ids[r, :n] - document_ids[r, 0] + next_doc
+            out_docs[g, pos : pos + n] = docs
+            pos, next_doc = pos + n, int(docs[-1]) + 1
+        out_docs[g, pos:] = next_doc
+    return out_ids, out_labels, out_docs
