@@ -208,18 +208,21 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
 
 
 # The learning test: the default task families (arithmetic, sort) at a size the tiny teacher learns
-# by SFT within a test's budget (the default 2-digit tasks take it far longer), the default
-# sequence length, and the default distill section (batch, learning rate, loss) at 600 steps: this
-# task mix is harder than the default pipeline's, whose 400 steps it does not need to match.
+# by SFT within a test's budget (the default 2-digit tasks take it far longer), rows of 64 tokens
+# (three documents; 128 took 1.6x the time for the same accuracies), and the default distill section
+# (batch, learning rate, loss) at 600 steps: this task mix is harder than the default pipeline's,
+# whose 400 steps it does not need to match. Measured (70 eval prompts, seed 0 as here): teacher
+# 0.800, KD student 0.786, SFT-only student 0.643. The KD margin depends on the seed: seed 1 gave
+# 0.829 / 0.786 / 0.786, so the strict "beats" below holds for this seed, not for every one.
 LEARN_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add", "sub", "mul"], "digits": 1},
                         {"name": "sort", "length": 3, "max_value": 9}],
-              "n_sft": 500, "n_preference": 8, "n_prompts": 8, "n_eval": 70, "max_seq_len": 128}
+              "n_sft": 500, "n_preference": 8, "n_prompts": 8, "n_eval": 70, "max_seq_len": 64}
 TEACHER_SFT = {"steps": 600, "batch_size": 16, "checkpoint_every": 1000, "log_every": 50}
 SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "max_grad_norm")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # three trainings: ~10 min on 2 idle cores
+@pytest.mark.timeout(1800)  # three trainings: ~7 min on 2 idle cores
 def test_kd_student_reaches_teacher_accuracy_and_beats_sft_alone(tmp_path):
     data = prepare_data(tmp_path, LEARN_DATA)
     teacher = tmp_path / "teacher"
