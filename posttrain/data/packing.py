@@ -85,9 +85,9 @@ def repack_trained_spans(
 
     Attention is causal and per document, so what follows a row's last trained token changes no
     loss term: each row's span is a unit that can share a row with others (the same loss, fewer
-    positions computed: padding-free batches). Spans keep their documents apart by fresh document
-    ids; a new row's tail holds token 0, no label and a document of its own. The rows come back
-    unchanged unless packing saves at least one row.
+    positions computed: padding-free batches). The new rows are laid out by `build_rows` from the
+    spans' documents (token 0 in the tail). The rows come back unchanged unless packing saves at
+    least one row.
     """
     rows, width = input_ids.shape
     trained = labels != IGNORE_INDEX
@@ -96,17 +96,14 @@ def repack_trained_spans(
     groups = best_fit_decreasing([ends[r] for r in spans], width) if spans else []
     if not spans or len(groups) >= rows:
         return input_ids, labels, document_ids
-    out_ids = input_ids.new_zeros(len(groups), width)
-    out_labels = labels.new_full((len(groups), width), IGNORE_INDEX)
-    out_docs = document_ids.new_empty(len(groups), width)
-    for g, group in enumerate(groups):
-        pos, next_doc = 0, 0
-        for r in (spans[i] for i in group):
-            n = ends[r]
-            out_ids[g, pos : pos + n] = input_ids[r, :n]
-            out_labels[g, pos : pos + n] = labels[r, :n]
-            docs = document_ids[r, :n] - document_ids[r, 0] + next_doc
-            out_docs[g, pos : pos + n] = docs
-            pos, next_doc = pos + n, int(docs[-1]) + 1
-        out_docs[g, pos:] = next_doc
-    return out_ids, out_labels, out_docs
+    docs_ids: list[torch.Tensor] = []
+    docs_labels: list[torch.Tensor] = []
+    span_docs: list[list[int]] = []  # per span: its documents' indices in docs_ids
+    for r in spans:
+        sizes = torch.unique_consecutive(document_ids[r, : ends[r]], return_counts=True)[1].tolist()
+        span_docs.append(list(range(len(docs_ids), len(docs_ids) + len(sizes))))
+        docs_ids += input_ids[r, : ends[r]].split(sizes)
+        docs_labels += labels[r, : ends[r]].split(sizes)
+    out = build_rows(docs_ids, docs_labels, [[d for i in group for d in span_docs[i]] for group in groups], width, 0)
+    return tuple(torch.from_numpy(out[k]).to(input_ids.dtype)
+                 for k in ("input_ids", "labels", "document_ids"))  # type: ignore[return-value]
