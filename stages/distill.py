@@ -218,7 +218,7 @@ def distill_loss(
         temperature=float(distill["temperature"]),
         ce_weight=ce_weight,
         num_chunks=int(memory["ce_chunks"]) if chunked else 1,
-        checkpoint_chunks=chunked,
+        checkpoint_chunks=None if chunked else False,
         reduction="sum",
     )
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.losses import chunked
 from posttrain.losses import (
     IGNORE_INDEX,
     full_cross_entropy,
@@ -84,25 +85,40 @@ def test_bfloat16_hidden_scores_in_float32():
     assert rel_err(loss, ref) <= 1e-5
 
 
+def largest_saved_for_backward(hidden, project, labels, checkpoint_chunks: bool | None) -> int:
+    """Elements of the largest tensor autograd saves outside the checkpointed chunks."""
+    sizes: list[int] = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_cross_entropy(hidden, project, labels, num_chunks=4, checkpoint_chunks=checkpoint_chunks)
+    return max(sizes)
+
+
 def test_checkpointed_chunks_keep_no_logits_for_backward():
     """Outside the checkpointed chunks autograd saves nothing vocabulary-sized; without
     checkpointing it saves every chunk's logits (so this test can tell the two apart)."""
     hidden, project, labels = make_batch(4)
     kept = num_loss_tokens(labels).item()
+    assert largest_saved_for_backward(hidden, project, labels, True) < V * 4
+    assert largest_saved_for_backward(hidden, project, labels, False) >= V * (kept // 4)
 
-    def largest_saved(checkpoint_chunks: bool) -> int:
-        sizes: list[int] = []
 
-        def pack(t):
-            sizes.append(t.numel())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            linear_cross_entropy(hidden, project, labels, num_chunks=4, checkpoint_chunks=checkpoint_chunks)
-        return max(sizes)
-
-    assert largest_saved(True) < V * 4
-    assert largest_saved(False) >= V * (kept // 4)
+def test_default_recomputes_only_logits_above_the_threshold(monkeypatch):
+    """checkpoint_chunks=None keeps small logits for backward, recomputes once all of them exceed
+    RECOMPUTE_ABOVE_MIB, and always recomputes when the projection's width cannot be read."""
+    hidden, project, labels = make_batch(4)
+    kept = num_loss_tokens(labels).item()
+    logits_mib = kept * V * 4 / 2**20
+    monkeypatch.setattr(chunked, "RECOMPUTE_ABOVE_MIB", logits_mib * 1.01)
+    assert largest_saved_for_backward(hidden, project, labels, None) >= V * (kept // 4)
+    monkeypatch.setattr(chunked, "RECOMPUTE_ABOVE_MIB", logits_mib * 0.99)
+    assert largest_saved_for_backward(hidden, project, labels, None) < V * 4
+    monkeypatch.setattr(chunked, "RECOMPUTE_ABOVE_MIB", logits_mib * 1.01)
+    assert largest_saved_for_backward(hidden, lambda h: project(h), labels, None) < V * 4
 
 
 def naive_token_logprobs(hidden, project, targets, temperature=1.0):

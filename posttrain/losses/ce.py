@@ -34,7 +34,7 @@ def linear_cross_entropy(
     project: Project,
     labels: Tensor,
     num_chunks: int = 8,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
     reduction: Reduction = "mean",
 ) -> Tensor:
     """Cross-entropy (float32) of ``project(hidden)`` against ``labels`` without full logits.

@@ -18,6 +18,13 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 """Label value of positions that contribute nothing (prompt tokens, padding, document ends)."""
 
+RECOMPUTE_ABOVE_MIB = 64
+"""With ``checkpoint_chunks=None`` (the default) the chunks are recomputed in backward only when
+keeping the float32 logits of all of them would take more than this many MiB. Below it the logits
+weigh less than a small model's activations, while recomputing costs a second output projection
+per chunk (about a tenth of such a model's step); at real vocabularies (151,936 x 110 tokens is
+already 64 MiB) the chunks are always recomputed."""
+
 Project = Callable[[Tensor], Tensor]
 """Maps hidden rows ``[N, D]`` to logits ``[N, V]``; pass the model's ``lm_head`` module itself
 (calling the module, not reading its weight, keeps FSDP2's hooks working)."""
@@ -41,18 +48,33 @@ def scatter_rows(values: Tensor, index: Tensor, shape: torch.Size) -> Tensor:
     return out.index_put((index,), values).view(shape)
 
 
+def logits_width(*projects: Project) -> int | None:
+    """Total output width of ``projects`` (their weights' rows); None when one has no weight to read it from."""
+    widths = [getattr(p, "weight", None) for p in projects]
+    return None if any(w is None for w in widths) else sum(w.shape[0] for w in widths)
+
+
+def should_recompute(checkpoint_chunks: bool | None, rows: int, width: int | None) -> bool:
+    """Resolve ``checkpoint_chunks``: an explicit bool stands; None recomputes above ``RECOMPUTE_ABOVE_MIB``."""
+    if checkpoint_chunks is not None:
+        return checkpoint_chunks
+    return width is None or rows * width * 4 > RECOMPUTE_ABOVE_MIB * 2**20
+
+
 def map_row_chunks(
     fn: Callable[..., Tensor | tuple[Tensor, ...]],
     rows: Sequence[Tensor],
     num_chunks: int,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
+    width: int | None = None,
 ) -> tuple[Tensor, ...]:
     """Apply ``fn`` to ``num_chunks`` consecutive slices of ``rows`` and concatenate the results.
 
     ``rows`` are tensors sharing their first dimension N (hidden rows, targets, teacher rows...);
     ``fn(*row_slices)`` returns one tensor or a tuple of tensors whose first dimension is the
     slice length. Under ``checkpoint_chunks`` each call is recomputed in backward instead of
-    keeping its intermediates (the logits), so only one chunk's logits are ever alive.
+    keeping its intermediates (the logits), so only one chunk's logits are ever alive; None
+    decides by the size of all the logits (``width`` columns per row, see ``should_recompute``).
     With N == 0, ``fn`` still runs once on the empty rows so the loss stays connected to the
     projection's parameters (every rank of a sharded model must take part in backward).
     """
@@ -62,7 +84,7 @@ def map_row_chunks(
     if any(r.shape[0] != n for r in rows):
         raise ValueError(f"row tensors disagree on length: {[tuple(r.shape) for r in rows]}")
     slices = [s for s in zip(*(r.tensor_split(num_chunks) for r in rows)) if s[0].shape[0] > 0]
-    use_checkpoint = checkpoint_chunks and torch.is_grad_enabled()
+    use_checkpoint = torch.is_grad_enabled() and should_recompute(checkpoint_chunks, n, width)
     outputs: list[tuple[Tensor, ...]] = []
     for chunk in slices or [tuple(rows)]:
         out = checkpoint(fn, *chunk, use_reentrant=False) if use_checkpoint else fn(*chunk)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.losses.ce import Reduction
-from posttrain.losses.chunked import IGNORE_INDEX, Project, gather_rows, kept_indices, map_row_chunks
+from posttrain.losses.chunked import IGNORE_INDEX, Project, gather_rows, kept_indices, logits_width, map_row_chunks
 
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 
@@ -69,7 +69,7 @@ def kd_loss(
     temperature: float = 1.0,
     ce_weight: float = 0.0,
     num_chunks: int = 8,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
     reduction: Reduction = "mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(1 - ce_weight) * divergence + ce_weight * cross-entropy`` over the kept tokens.
@@ -104,7 +104,9 @@ def kd_loss(
         div = token_divergence(student_logits, teacher_logits, kind, beta, temperature)
         return div, F.cross_entropy(student_logits, y, reduction="none")
 
-    div, ce = map_row_chunks(chunk_losses, rows, num_chunks, checkpoint_chunks)
+    div, ce = map_row_chunks(
+        chunk_losses, rows, num_chunks, checkpoint_chunks, logits_width(student_project, teacher_project)
+    )
     scale = 1.0 / max(index.numel(), 1) if reduction == "mean" else 1.0
     div_total, ce_total = div.sum() * scale, ce.sum() * scale
     loss = (1 - ce_weight) * div_total + ce_weight * ce_total

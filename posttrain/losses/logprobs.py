@@ -20,6 +20,7 @@ from posttrain.losses.chunked import (
     Project,
     gather_rows,
     kept_indices,
+    logits_width,
     map_row_chunks,
     scatter_rows,
 )
@@ -41,7 +42,7 @@ def kept_token_logprobs(
     *,
     num_chunks: int = 8,
     temperature: float = 1.0,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
 ) -> Tensor:
     """Log-probs ``[N_kept]`` (float32) of ``targets`` at the kept positions, in row-major order.
 
@@ -57,7 +58,7 @@ def kept_token_logprobs(
         logits = project(h).float() / temperature
         return -F.cross_entropy(logits, y, reduction="none")
 
-    (logps,) = map_row_chunks(chunk_logprobs, (rows, ids), num_chunks, checkpoint_chunks)
+    (logps,) = map_row_chunks(chunk_logprobs, (rows, ids), num_chunks, checkpoint_chunks, logits_width(project))
     return logps
 
 
@@ -69,7 +70,7 @@ def token_logprobs(
     *,
     num_chunks: int = 8,
     temperature: float = 1.0,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
 ) -> Tensor:
     """Per-token log-probs ``[B, S]`` (float32) of ``targets``; 0 where ``mask`` is False.
 
@@ -96,7 +97,7 @@ def sequence_logprobs(
     *,
     num_chunks: int = 8,
     temperature: float = 1.0,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed log-prob ``[B]`` of each row's kept targets and the kept-token count ``[B]``.
 
@@ -124,7 +125,7 @@ def token_logprobs_and_entropy(
     *,
     num_chunks: int = 8,
     temperature: float = 1.0,
-    checkpoint_chunks: bool = True,
+    checkpoint_chunks: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs and entropies ``[B, S]`` (float32; 0 where masked) from one projection.
 
@@ -142,5 +143,7 @@ def token_logprobs_and_entropy(
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), entropy
 
-    logps, entropy = map_row_chunks(chunk_logprobs_entropy, (rows, ids), num_chunks, checkpoint_chunks)
+    logps, entropy = map_row_chunks(
+        chunk_logprobs_entropy, (rows, ids), num_chunks, checkpoint_chunks, logits_width(project)
+    )
     return scatter_rows(logps, index, targets.shape), scatter_rows(entropy, index, targets.shape)

@@ -33,11 +33,23 @@ def _adamw_factory(lr: float, weight_decay: float, low_bit: str | None, foreach:
     if low_bit not in LOW_BIT_OPTIMIZERS:
         raise ValueError(f"memory.low_bit_optimizer must be one of {LOW_BIT_OPTIMIZERS}, got {low_bit!r}")
     if low_bit is None:
-        return lambda params: AdamW(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
+        return lambda params: AdamW(params, lr=lr, weight_decay=weight_decay, **_adamw_kernel(params, foreach))
     from torchao.optim import AdamW4bit, AdamW8bit
 
     cls = AdamW8bit if low_bit == "adamw8bit" else AdamW4bit
     return lambda params: cls(params, lr=lr, weight_decay=weight_decay)
+
+
+def _adamw_kernel(params: list[nn.Parameter], foreach: bool | None) -> dict[str, bool]:
+    """torch's fused AdamW kernel where it applies (CPU and CUDA float tensors): one pass per tensor.
+
+    On CPU it steps 2-3x faster than the per-parameter loop torch picks by default. `foreach`
+    given asks for that implementation instead (False: the per-parameter loop).
+    """
+    if foreach is not None:
+        return {"foreach": foreach}
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return {"fused": True} if fused else {}
 
 
 def _set_lr(opt: Optimizer, lr: float) -> None:
