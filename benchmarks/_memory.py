@@ -68,22 +68,18 @@ def _measure(setup: Callable[..., Any], run: Callable[[Any], Any], args: tuple, 
     return PeakMemory((peak - baseline) / _MIB, baseline / _MIB, seconds, result)
 
 
-def peak_memory(
-    setup: Callable[..., Any], run: Callable[[Any], Any], *args: Any, device: str = "cpu", start_method: str = "spawn"
-) -> PeakMemory:
-    """Run ``state = setup(*args)`` then ``run(state)`` in a fresh process; measure ``run`` only.
+def peak_memory(setup: Callable[..., Any], run: Callable[[Any], Any], *args: Any, device: str = "cpu") -> PeakMemory:
+    """Run ``state = setup(*args)`` then ``run(state)`` in a freshly started (spawned) process; measure ``run`` only.
 
-    ``start_method="forkserver"`` forks each child from one server process that imported the
-    modules given to ``multiprocessing.get_context("forkserver").set_forkserver_preload`` once,
-    which saves each child the import time of heavy libraries. The server starts at the first
-    such call and keeps that call's allocator setting for every later child.
+    The child imports only what ``setup`` and the calling script's top level import, so its
+    resident set holds those libraries and nothing the parent loaded.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc when the child starts
     try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(start_method)) as pool:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(_measure, setup, run, args, device).result()
     finally:
         if saved is None:

@@ -33,23 +33,11 @@ from posttrain.data.packing import pack_or_pad
 from posttrain.models import preset_config
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
-from sft_memory import stage_module, variant_config  # benchmarks/ is on sys.path when run as a script
+from _documents import skewed_documents  # benchmarks/ is on sys.path when run as a script
+from sft_memory import stage_module, variant_config
 
 FEATURES = ("chunked_ce", "activation_checkpointing", "optimizer_in_backward", "adamw8bit", "compile", "lora")
 PAD_ID = 0
-
-
-def skewed_documents(n: int, seq: int, vocab: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Token ids and labels of `n` documents, lengths lognormal (median seq/8), clipped to [8, seq]."""
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(mean=np.log(seq / 8), sigma=0.8, size=n).astype(int), 8, seq)
-    ids = [rng.integers(1, vocab, size=int(length)) for length in lengths]
-    labels = []
-    for doc in ids:
-        label = np.append(doc[1:], -100)
-        label[: len(doc) // 4] = -100  # the prompt part
-        labels.append(label)
-    return ids, labels
 
 
 def batches(rows: dict[str, np.ndarray], batch_rows: int, repack: bool = True

@@ -106,3 +106,6 @@ def test_both_sides_start_equal_and_count_the_same_tokens(tmp_path):
             assert row[side]["tokens_per_s"] > 0 and row[side]["peak_total_mib"] > row[side]["peak_step_mib"] > 0
         assert row["ratios"]["tokens_per_s"] > 0
     assert "posttrain / TRL (this run)" in proc.stdout
+    for run in result["runs"]:  # each run's process holds its own side's libraries only
+        foreign = {"transformers", "trl", "accelerate"} if run["side"] == "posttrain" else {"posttrain"}
+        assert not foreign & set(run["libraries"]), run

@@ -6,9 +6,9 @@ The model is `benchmarks/sft_memory.py`'s (vocabulary 151,936, hidden 512, tied 
 `--layers` blocks), random-init once and loaded by both sides. The workload is SFT with one
 document of exactly `seq` tokens per row (no padding on either side; the first eighth is prompt,
 not scored), `--batch` rows, AdamW, float32: one warm-up step and one measured step, so the peak
-includes gradients, optimizer states and activations at once. Each probe is a fresh process
-(`benchmarks/_memory.py`, forked from a server that imported both libraries, so the library
-memory is the same for both sides); its peak is the process's resident-set high-water mark.
+includes gradients, optimizer states and activations at once. Each probe is a freshly started
+process (`benchmarks/_memory.py`) that imports only its own side's libraries, as a job would;
+its peak is the process's resident-set high-water mark.
 The search doubles the sequence length from `--start-seq`, posttrain and TRL alternately, until
 a side's peak exceeds the budget (or `--max-seq`); the table gives the longest length that
 stayed within it. Steps at this vocabulary are slow on a CPU (each token costs ~0.5 GFLOP in the
@@ -18,7 +18,6 @@ output layer alone), so the default budget is small.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -70,8 +69,7 @@ def probe(side: str, folder: Path, seq: int, batch: int, threads: int, budget_mi
 
     s = Settings(vocab=QWEN3_VOCAB, seq=seq, rows=batch, warmup=1, steps=1)
     documents = full_rows(s.total_steps * batch, seq, QWEN3_VOCAB)
-    m = peak_memory(setup_job, run_job, side, "sft_padded", folder, s, threads, documents, device="cpu",
-                    start_method="forkserver")
+    m = peak_memory(setup_job, run_job, side, "sft_padded", folder, s, threads, documents, device="cpu")
     return {"side": side, "seq": seq, "batch": batch, "peak_total_mib": m.baseline_mib + m.peak_mib,
             "peak_step_mib": m.peak_mib, "setup_mib": m.baseline_mib, "loss": m.result["losses"][-1],
             "seconds": m.seconds, "within_budget": m.baseline_mib + m.peak_mib <= budget_mib}
@@ -91,7 +89,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.fixed_seq < args.start_seq:
         parser.error("--fixed-seq must be >= --start-seq (it is one of the searched sizes or measured on its own)")
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["peers_ours", "peers_trl"])
     env = environment(args.threads)
     env["load_average_start"] = os.getloadavg()
     budget = args.budget_gib * _MIB_PER_GIB

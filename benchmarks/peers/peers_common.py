@@ -30,7 +30,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent
 if str(BENCHMARKS) not in sys.path:  # the shared benchmark helpers (_memory, sft_memory, ...)
     sys.path.insert(0, str(BENCHMARKS))
 
-from sft_throughput import skewed_documents  # noqa: E402
+from _documents import skewed_documents  # noqa: E402
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 FIRST_WORD_ID = 3

@@ -6,9 +6,10 @@ Workloads (`sft` stands for both SFT layouts): `sft_padded`, `sft_packed`, `dpo`
 sides start from one random-init Qwen3-architecture model saved once as an HF folder, train on
 the same synthetic data with the same batch size, sequence length, AdamW settings and precision
 (float32 on CPU); `peers_common.py` defines the data and what counts as a useful token,
-`peers_ours.py` and `peers_trl.py` the two sides. Every run is a fresh process
-(`benchmarks/_memory.py`, forked from a server that imported the libraries once), and the runs
-alternate: for each workload and round, posttrain then TRL, so a change of machine load hits
+`peers_ours.py` and `peers_trl.py` the two sides. Every run is a freshly started process
+(`benchmarks/_memory.py`) that imports only its own side's libraries (posttrain's runs never load
+transformers or TRL, TRL's never load posttrain), so the whole-process peak is what a job of that
+side needs; the runs alternate: for each workload and round, posttrain then TRL, so a change of machine load hits
 both sides alike. The ratios printed at the end come from this one invocation. Targets (issue
 12): SFT useful tokens/s >= 1.5x TRL (padded and packed), peak memory <= 0.7x TRL, DPO and GRPO
 steps/s >= 1.0x TRL.
@@ -20,7 +21,6 @@ import argparse
 import datetime
 import importlib
 import json
-import multiprocessing
 import os
 import platform
 import subprocess
@@ -37,6 +37,7 @@ from _memory import peak_memory  # noqa: E402
 
 SIDES = ("posttrain", "trl")
 TARGETS = {"tokens_per_s": 1.5, "steps_per_s": 1.0, "memory": 0.7}
+LIBRARIES = ("posttrain", "transformers", "trl", "accelerate", "datasets")  # reported per run: what its process loaded
 
 
 def setup_job(side: str, workload: str, folder: Path, s: Settings, threads: int,
@@ -56,8 +57,9 @@ def setup_job(side: str, workload: str, folder: Path, s: Settings, threads: int,
 
 
 def run_job(state: dict[str, Any]) -> dict[str, Any]:
-    """The warm-up and timed steps (measured for peak memory)."""
-    return _side_module(state["side"]).run(state)
+    """The warm-up and timed steps (measured for peak memory), and which of `LIBRARIES` the process holds."""
+    result = _side_module(state["side"]).run(state)
+    return {**result, "libraries": [name for name in LIBRARIES if name in sys.modules]}
 
 
 def _side_module(side: str):
@@ -171,8 +173,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s = Settings(steps=args.steps, warmup=args.warmup, seq=args.seq, vocab=args.vocab, hidden=args.hidden,
                  layers=args.layers)
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["peers_ours", "peers_trl"])
     env = environment(args.threads)
     env["load_average_start"] = os.getloadavg()
     print(f"{env['date']}  {env['cpu']} ({env['cores']} cores), load {env['load_average_start'][0]:.1f}, "
@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for workload in workloads:
             for round_ in range(args.rounds):
                 for side in SIDES:
-                    m = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu",
-                                    start_method="forkserver")
+                    m = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu")
                     r = m.result
                     row = {"workload": workload, "side": side, "round": round_, **r,
                            "peak_step_mib": m.peak_mib, "peak_total_mib": m.baseline_mib + m.peak_mib,
