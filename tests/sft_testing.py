@@ -41,15 +41,20 @@ def write_config(cfg: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def env_for(threads: int = 2, **extra: str) -> dict[str, str]:
+def env_for(threads: int = 1, **extra: str) -> dict[str, str]:
+    """Environment of a stage process. One torch thread by default: test files run two at a time
+    (conftest.py), and a fixed thread count keeps the stages' float reductions, so their results,
+    the same whether the suite runs in parallel or not."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), **extra}
     env.pop("POSTTRAIN_TEST_SIGKILL_AT_STEP", None)
     env.update(extra)
     return env
 
 
-def prepare_data(tmp: Path, data: dict[str, Any] | None = None) -> Path:
+def prepare_data(tmp: Path, data: dict[str, Any] | None = None, seed: int | None = None) -> Path:
     cfg = resolved_config("prepare_data", "test-data", data={**SMALL_DATA, **(data or {})})
+    if seed is not None:
+        cfg["seed"] = seed
     out = tmp / "data"
     subprocess.run([sys.executable, str(PREPARE_SCRIPT), "--config", str(write_config(cfg, tmp / "data.json")),
                     "--out", str(out)], check=True, capture_output=True, env=env_for(), cwd=ROOT)
