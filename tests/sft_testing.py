@@ -42,9 +42,9 @@ def write_config(cfg: dict[str, Any], path: Path) -> Path:
 
 
 def env_for(threads: int = 1, **extra: str) -> dict[str, str]:
-    """Environment of a stage process. One torch thread by default: test files run two at a time
-    (conftest.py), and a fixed thread count keeps the stages' float reductions, so their results,
-    the same whether the suite runs in parallel or not."""
+    """Environment of a stage process. One torch thread by default (`run_sft` asks for two on one
+    process): test files run two at a time (conftest.py), and a fixed thread count keeps the stages'
+    float reductions, so their results, the same whether the suite runs in parallel or not."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), **extra}
     env.pop("POSTTRAIN_TEST_SIGKILL_AT_STEP", None)
     env.update(extra)

@@ -9,8 +9,8 @@ the same synthetic data with the same batch size, sequence length, AdamW setting
 `peers_ours.py` and `peers_trl.py` the two sides. Every run is a freshly started process
 (`benchmarks/_memory.py`) that imports only its own side's libraries (posttrain's runs never load
 transformers or TRL, TRL's never load posttrain), so the whole-process peak is what a job of that
-side needs; the runs alternate: for each workload and round, posttrain then TRL, so a change of machine load hits
-both sides alike. The ratios printed at the end come from this one invocation. Targets (issue
+side needs. The runs alternate: for each workload and round, posttrain then TRL, so a change of
+machine load hits both sides alike. The ratios printed at the end come from this one invocation. Targets (issue
 12): SFT useful tokens/s >= 1.5x TRL (padded and packed), peak memory <= 0.7x TRL, DPO and GRPO
 steps/s >= 1.0x TRL.
 """
