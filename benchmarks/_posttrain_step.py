@@ -2,7 +2,7 @@
 
 The SFT and DPO steps live next to their memory benchmarks (`sft_memory.train_step`,
 `dpo_memory.train_step`) and call the stage's own loss. `stages/sft.py` imports the data loader,
-which needs `datasets`; a GPU image without it still runs the SFT step with `sft_loss_module`,
+which needs `pyarrow`; a GPU image without it still runs the SFT step with `sft_loss_module`,
 which falls back to the loss's one-process path built from the library.
 
 The GRPO step is the stage's step with one inner epoch,
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class LibrarySFTLoss:
-    """`stages/sft.py: summed_loss` without tensor parallelism and with chunked cross-entropy (no datasets import)."""
+    """`stages/sft.py: summed_loss` without tensor parallelism and with chunked cross-entropy (no data-loader import)."""
 
     reason = ""
 

@@ -40,16 +40,21 @@ FEATURES = ("chunked_ce", "activation_checkpointing", "optimizer_in_backward", "
 PAD_ID = 0
 
 
-def batches(rows: dict[str, np.ndarray], batch_rows: int, repack: bool = True
-            ) -> list[tuple[dict[str, torch.Tensor], int]]:
-    """Consecutive rows as the SFT loader batches them (`repack=False`: rows as stored, trimmed only),
-    each with its useful tokens: the non-pad tokens of the rows as stored, whatever the batching."""
+def stored_batches(rows: dict[str, np.ndarray], batch_rows: int) -> list[tuple[list[torch.Tensor], int]]:
+    """Consecutive groups of rows as stored (`input_ids`, `labels`, `document_ids`), each with its
+    useful tokens: the non-pad tokens of the rows as stored, whatever the batching."""
     out = []
     for start in range(0, len(rows["input_ids"]) - batch_rows + 1, batch_rows):
         stored = [torch.from_numpy(rows[k][start : start + batch_rows].astype(np.int64))
                   for k in ("input_ids", "labels", "document_ids")]
-        out.append((sft_rows_batch(*stored, repack=repack), int((stored[0] != PAD_ID).sum())))
+        out.append((stored, int((stored[0] != PAD_ID).sum())))
     return out
+
+
+def batches(rows: dict[str, np.ndarray], batch_rows: int, repack: bool = True
+            ) -> list[tuple[dict[str, torch.Tensor], int]]:
+    """Consecutive rows as the SFT loader batches them (`repack=False`: rows as stored, trimmed only)."""
+    return [(sft_rows_batch(*stored, repack=repack), useful) for stored, useful in stored_batches(rows, batch_rows)]
 
 
 def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list[tuple[dict[str, torch.Tensor], int]],

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 
 from posttrain.config import load_resolved_config
 from posttrain.data.loader import Batches, preference_batches, preference_collate, prompt_batches
 from posttrain.data.sources import DataError, canonical_rows, load_source
+from posttrain.data.store import Split
 from posttrain.data.tokenize import preference_split
 from posttrain.dpo import (
     OnlineReference,
@@ -89,13 +89,13 @@ def micro_batch_size(dpo: dict[str, Any], dp_size: int) -> int:
     return batch // accum
 
 
-def on_policy_pairs(path: str, tok: Tokenizer, data_cfg: dict[str, Any]) -> datasets.Dataset:
+def on_policy_pairs(path: str, tok: Tokenizer, data_cfg: dict[str, Any]) -> Split:
     """The reward stage's pairs (prompt, chosen, rejected), tokenized like the prepared preference split."""
     rows, _ = canonical_rows(load_source(path), "preference", path)
     columns, stats = preference_split(rows, tok, int(data_cfg["max_seq_len"]), data_cfg["truncation"])
     if not columns["chosen_input_ids"]:
         raise DataError(f"{path}: no usable pair ({stats})")
-    return datasets.Dataset.from_dict(columns)
+    return Split.from_columns(columns)
 
 
 def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer, micro: int, rank: int,
@@ -112,11 +112,11 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
     return Batches(dataset, micro, preference_collate(tok.pad_id), seed=cfg["seed"], rank=rank, world_size=size), [Path(args.pairs)]
 
 
-def held_out_pairs(data_dir: str, tok: Tokenizer, max_len: int, seed: int) -> datasets.Dataset:
+def held_out_pairs(data_dir: str, tok: Tokenizer, max_len: int, seed: int) -> Split:
     """Pairs of the `eval` split's rows that carry a reference and a rejected response (possibly none)."""
     examples = [ex for batch in prompt_batches(data_dir, 256, seed=seed, split="eval", shuffle=False, loop=False)
                 for ex in batch["examples"]]
-    return datasets.Dataset.from_dict(eval_pairs(examples, tok, max_len)).with_format("numpy")
+    return Split.from_columns(eval_pairs(examples, tok, max_len))
 
 
 def likelihood_accuracy(logps: PairLogps, per_token: bool) -> float:
@@ -172,7 +172,7 @@ def main() -> None:
                            mixed_precision=memory.get("mixed_precision"))
     cached = load_cache(cache_path, expected)
     if cached is None:
-        def score(dataset: datasets.Dataset, desc: str) -> PairLogps:
+        def score(dataset: Split, desc: str) -> PairLogps:
             return score_pairs(model, dataset, train.collate, rows_per_rank, mesh, memory, info.device, desc,
                                info.is_main)
 

@@ -47,8 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import datasets
-import pandas as pd
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.config import load_resolved_config
 from posttrain.data.loader import Batches, prompt_batches, prompt_collate
+from posttrain.data.store import Split
 from posttrain.losses import IGNORE_INDEX, grpo_loss, token_logprobs_and_entropy
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
@@ -103,13 +103,12 @@ def prompt_loader(args: argparse.Namespace, batch_size: int, seed: int, rank: in
     path = Path(args.reward) / "grpo_prompts.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; the reward stage writes the GRPO prompt set there")
-    frame = pd.read_parquet(path)
-    missing = [c for c in PROMPT_COLUMNS if c not in frame.columns]
+    missing = [c for c in PROMPT_COLUMNS if c not in pq.read_schema(path).names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (expected {', '.join(PROMPT_COLUMNS)})")
-    if len(frame) < batch_size:
-        raise ValueError(f"{path}: {len(frame)} prompts, fewer than grpo.prompts_per_step ({batch_size})")
-    dataset = datasets.Dataset.from_pandas(frame[list(PROMPT_COLUMNS)], preserve_index=False)
+    dataset = Split(pq.read_table(path, columns=list(PROMPT_COLUMNS)))
+    if len(dataset) < batch_size:
+        raise ValueError(f"{path}: {len(dataset)} prompts, fewer than grpo.prompts_per_step ({batch_size})")
     return Batches(dataset, batch_size, prompt_collate, seed=seed, rank=rank, world_size=world_size)
 
 

@@ -3,9 +3,8 @@
 Many slow tests run single-threaded stage processes, so on the 2-core CI machine two workers
 shorten the suite (measured: 36 -> 29 min; the longest tests already use both cores and slow down
 when they share them). Every test process keeps to one torch thread, and the stage processes it
-starts get a fixed thread count (`sft_testing.env_for`: one; `run_sft`: two for a one-process
-SFT run, as before), so float reductions, hence results, are the same whether the suite runs in
-parallel or not. The longest files start first, so the workers finish together instead of one
+starts one each (`sft_testing.env_for`), so float reductions, hence results, are the same
+whether the suite runs in parallel or not. The longest files start first, so the workers finish together instead of one
 running a long file alone at the end."""
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ def write_config(cfg: dict[str, Any], path: Path) -> Path:
 
 
 def env_for(threads: int = 1, **extra: str) -> dict[str, str]:
-    """Environment of a stage process. One torch thread by default (`run_sft` asks for two on one
-    process): test files run two at a time (conftest.py), and a fixed thread count keeps the stages'
-    float reductions, so their results, the same whether the suite runs in parallel or not."""
+    """Environment of a stage process, one torch thread by default: test files run two at a time
+    (conftest.py), and a fixed thread count keeps the stages' float reductions, so their results,
+    the same whether the suite runs in parallel or not."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), **extra}
     env.pop("POSTTRAIN_TEST_SIGKILL_AT_STEP", None)
     env.update(extra)
@@ -72,7 +72,7 @@ def run_sft(cfg: dict[str, Any], data: Path, out: Path, nproc: int = 1, check: b
             **env: str) -> subprocess.CompletedProcess:
     config = write_config(cfg, out.parent / f"{out.name}.json")
     proc = subprocess.run(sft_command(config, data, out, nproc), capture_output=True, text=True, cwd=ROOT,
-                          env=env_for(threads=1 if nproc > 1 else 2, **env))
+                          env=env_for(**env))
     if check and proc.returncode != 0:
         raise AssertionError(f"sft exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

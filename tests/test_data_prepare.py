@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import yaml
@@ -17,7 +18,7 @@ import yaml
 from posttrain.data.chat import IGNORE_INDEX
 from posttrain.data.loader import preference_batches, prompt_batches, sft_batches
 from posttrain.data.sources import BadRowError
-from posttrain.data.store import load_split
+from posttrain.data.store import Split, load_split, write_split
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
@@ -87,7 +88,7 @@ def test_default_output_stats_match_the_files(default_data: Path) -> None:
     sft = stats["splits"]["sft"]
     assert sft["packing_efficiency"] >= 0.95
     assert sft["documents"] + stats["splits"]["sft_eval"]["documents"] == sizes["n_sft"]
-    columns = load_split(default_data, "sft").with_format("numpy")[:]
+    columns = load_split(default_data, "sft")[:]
     ids, labels = columns["input_ids"], columns["labels"]
     assert ids.shape == (sft["rows"], sizes["max_seq_len"])
     assert (ids != tok.pad_id).sum() == sft["tokens"]
@@ -214,6 +215,22 @@ def test_atomic_dir(tmp_path: Path) -> None:
 
 
 def test_split_files_are_memory_mapped_arrow(default_data: Path) -> None:
+    before = pa.total_allocated_bytes()
     ds = load_split(default_data, "sft")
-    assert ds.cache_files and all(f["filename"].endswith(".arrow") for f in ds.cache_files)
-    assert isinstance(ds.with_format("numpy")[0]["input_ids"], np.ndarray)
+    on_disk = sum(f.stat().st_size for f in (default_data / "sft").glob("data-*.arrow"))
+    assert ds.table.nbytes > on_disk / 2 and pa.total_allocated_bytes() - before < 4096  # mapped, not read
+    row = ds[0]
+    assert isinstance(row["input_ids"], np.ndarray) and row["input_ids"].shape == (ds.row_length("input_ids"),)
+    rows = ds[np.array([2, 0])]
+    assert rows["input_ids"].shape == (2, ds.row_length("input_ids"))
+    assert (rows["labels"][1] == row["labels"]).all()
+
+
+def test_split_reads_ragged_and_text_columns(tmp_path: Path) -> None:
+    write_split(tmp_path, "p", {"prompt_ids": [[5, 6, 7], [8], []], "task": ["a", "b", "c"]})
+    ds = load_split(tmp_path, "p")
+    assert ds.row_length("prompt_ids") is None and len(ds) == 3
+    cols = ds[1:]
+    assert [c.tolist() for c in cols["prompt_ids"]] == [[8], []] and list(cols["task"]) == ["b", "c"]
+    assert ds.select([2, 0])["prompt_ids"][1].tolist() == [5, 6, 7] and ds[0]["task"] == "a"
+    assert ds[[]]["prompt_ids"] == [] and Split.from_columns({"task": ["x"]}).to_list() == [{"task": "x"}]

@@ -95,7 +95,7 @@ def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
     data = results / "data" / DATA_KEY
     tok = Tokenizer(data / "tokenizer")
     rows = load_split(data, "eval").select(range(8))
-    index = {tuple(ids): i for i, ids in enumerate(rows["prompt_ids"])}
+    index = {tuple(ids.tolist()): i for i, ids in enumerate(rows["prompt_ids"])}
     answers, tasks = rows["answer"], rows["task"]
     greedy_right, samples_right = {0, 2, 3, 5}, [i % 4 for i in range(8)]  # 0..3 of 3 samples right
     lengths = {}

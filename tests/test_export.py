@@ -58,9 +58,9 @@ def test_export_loads_in_transformers_with_equal_greedy_outputs(results, monkeyp
     tok = Tokenizer(out)
     assert tok.token_to_id("<|im_end|>") in gen["eos_token_id"]
 
-    rows = load_split(results / "data" / DATA_KEY, "eval").select(range(6))
+    rows = load_split(results / "data" / DATA_KEY, "eval").select(range(6)).to_list()
     params = SamplingParams(max_new_tokens=12, stop_token_ids=gen["eos_token_id"])
-    for example, prompt_ids in zip(rows["example"], rows["prompt_ids"]):
+    for example, prompt_ids in ((row["example"], row["prompt_ids"]) for row in rows):
         messages = [{"role": "user", "content": json.loads(example)["prompt"]}]
         assert hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                           return_dict=False) == prompt_ids
@@ -83,7 +83,7 @@ def test_vllm_loads_the_export_with_equal_greedy_outputs(results, monkeypatch):
     out = export(results, monkeypatch, "v11m00000000")
     ours = load_hf_model(out).eval()
     gen = json.loads((out / "generation_config.json").read_text())
-    prompts = load_split(results / "data" / DATA_KEY, "eval").select(range(6))["prompt_ids"]
+    prompts = [row["prompt_ids"] for row in load_split(results / "data" / DATA_KEY, "eval").select(range(6)).to_list()]
     params = SamplingParams(max_new_tokens=12, stop_token_ids=gen["eos_token_id"])
     engine = VLLMBackend(out, dtype="float32", seed=0, max_model_len=128)
     assert engine.generate(prompts, params, seed=0).tokens == generate(ours, prompts, params, pad_id=Tokenizer(out).pad_id).tokens

@@ -94,7 +94,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_hf_model(Transformer(hf).state_dict(), hf, policy)
     tok.save(policy)
     write_provenance(policy, {"key": "policy-key"}, "dpo", 0.0, {})
-    rows = load_split(tmp / "data", "prompts")
+    rows = load_split(tmp / "data", "prompts").to_list()
     (tmp / "user_verifiers.py").write_text(f"FAILING_ID = {rows[2]['id']!r}\n" + VERIFIERS)
     return {"tmp": tmp, "data": tmp / "data", "policy": policy, "tok": tok, "rows": rows,
             "stage": _load_module(ROOT / "stages" / "reward.py", "reward_stage")}

@@ -4,12 +4,12 @@ rollout workers and their version checks, and the async dispatcher driven by an 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from posttrain.data.loader import Batches, prompt_collate
+from posttrain.data.store import Split
 from posttrain.generation.backend import NativeBackend
 from posttrain.generation.sampler import SamplingParams
 from posttrain.losses import IGNORE_INDEX, token_logprobs
@@ -20,8 +20,6 @@ from posttrain.rl.collect import PromptFeed, SyncCollector, rollout_seed
 from posttrain.rl.ray_collect import LOCAL_RAY_ENV, RayCollector, import_ray, split_groups
 from posttrain.rl.rollout import PromptBatch, RewardFunction, RolloutGroup, RolloutWorker, rollout_stats
 from posttrain.tokenizer import train_bpe_tokenizer
-
-import datasets
 
 # --- staleness buffer -----------------------------------------------------------------------
 
@@ -88,9 +86,9 @@ def model(tok):
     return Transformer(hf).eval()
 
 
-def prompt_dataset(tok, n: int = 12) -> datasets.Dataset:
+def prompt_dataset(tok, n: int = 12) -> Split:
     rows = [{"a": a, "b": a + 3} for a in range(n)]
-    return datasets.Dataset.from_dict({
+    return Split.from_columns({
         "prompt_ids": [tok.encode(f"Compute {r['a']} + {r['b']}.") for r in rows],
         "answer": [str(r["a"] + r["b"]) for r in rows],
         "task": ["arithmetic"] * n,
@@ -105,7 +103,7 @@ def make_worker(model, tok, group_size=4, max_new_tokens=6, temperature=1.0) -> 
 
 
 def prompts(tok, n=3) -> PromptBatch:
-    batch = prompt_collate(prompt_dataset(tok, n).with_format("numpy")[:n], list(range(n)))
+    batch = prompt_collate(prompt_dataset(tok, n)[:n], list(range(n)))
     return PromptBatch.from_loader(batch)
 
 
@@ -312,7 +310,7 @@ def test_grpo_prompt_file_is_checked_and_read(tok, tmp_path):
     args = Namespace(reward=str(tmp_path), data=str(tmp_path / "data"))
     with pytest.raises(FileNotFoundError, match="grpo_prompts.parquet: missing"):
         stage.prompt_loader(args, 2, seed=0, rank=0, world_size=1)
-    frame = prompt_dataset(tok, 6).to_pandas().assign(pass_rate=0.5)
+    frame = prompt_dataset(tok, 6).table.to_pandas().assign(pass_rate=0.5)  # as the reward stage writes it
     frame.drop(columns=["answer"]).to_parquet(tmp_path / "grpo_prompts.parquet")
     with pytest.raises(ValueError, match=r"missing column\(s\) answer"):
         stage.prompt_loader(args, 2, seed=0, rank=0, world_size=1)

@@ -9,7 +9,8 @@ checkpointing, plain AdamW, no compile), float32 on CPU, one process.
   AdamW) on rows from `posttrain.data.packing.pack_or_pad`: packed rows with per-document
   attention, or one document per row padded to the row length (what data prep writes with
   `data.packing: false`), batched as the SFT loader batches them (padding-free: the rows' trained
-  spans repacked into as few rows as fit, per-document attention).
+  spans repacked into as few rows as fit, per-document attention), inside the timed step as the
+  stage's loader does it.
 - DPO: `dpo_memory.train_step` (sigmoid DPO on chunked pair log-probs) with the reference
   log-probs precomputed in setup by the starting model (`dpo.reference: precompute`).
 - GRPO: `_posttrain_step.grpo_step`: the stage's sync step with the native KV-cache sampler.
@@ -73,7 +74,7 @@ def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | No
     """
     from _posttrain_step import sft_loss_module
     from sft_memory import variant_config
-    from sft_throughput import batches
+    from sft_throughput import stored_batches
 
     from posttrain.data.packing import pack_or_pad
     from posttrain.training.setup import max_grad_norm
@@ -87,7 +88,7 @@ def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | No
     if not packed:
         ids, labels = ids[: s.total_steps * s.rows], labels[: s.total_steps * s.rows]
     rows = pack_or_pad(ids, labels, s.seq, PAD_ID, packing=packed)
-    data = batches(rows, s.rows)[: s.total_steps]
+    data = stored_batches(rows, s.rows)[: s.total_steps]  # batched in the timed step (`_step`)
     if len(data) < s.total_steps:
         raise ValueError(f"SFT data give {len(data)} batches of {s.rows} rows, fewer than {s.total_steps} steps")
     return {"kind": "sft", "model": model, "optimizer": optimizer, "mesh": mesh, "device": device, "cfg": cfg,
@@ -166,7 +167,10 @@ def _step(state: dict[str, Any], batch: Any, step: int) -> tuple[float, int]:
     if kind == "sft":
         from sft_memory import train_step
 
-        batch, useful = batch  # useful: the non-pad tokens of the rows as stored (TRL's count)
+        from posttrain.data.loader import sft_rows_batch
+
+        stored, useful = batch  # useful: the non-pad tokens of the rows as stored (TRL's count)
+        batch = sft_rows_batch(*stored)
     else:
         from dpo_memory import train_step
 

@@ -24,13 +24,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 
 from posttrain.data.chat import IGNORE_INDEX
 from posttrain.data.packing import repack_trained_spans
-from posttrain.data.store import load_split
+from posttrain.data.store import Split, load_split
 from posttrain.models import document_positions
 from posttrain.tokenizer import Tokenizer
 
@@ -47,7 +46,7 @@ class Batches:
 
     def __init__(
         self,
-        dataset: datasets.Dataset,
+        dataset: Split,
         batch_size: int,
         collate: Callable[[dict[str, Any], np.ndarray], Batch],
         *,
@@ -61,7 +60,7 @@ class Batches:
             raise ValueError(f"global batch size {batch_size} is not divisible by the data-parallel size {world_size}")
         if loop and len(dataset) < batch_size:
             raise ValueError(f"split has {len(dataset)} rows, fewer than one global batch of {batch_size}")
-        self.dataset = dataset.with_format("numpy")
+        self.dataset = dataset
         self.batch_size, self.collate = batch_size, collate
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.shuffle, self.loop = shuffle, loop
@@ -182,7 +181,9 @@ def sft_batches(
 ) -> Batches:
     """Packed (or padded) SFT rows: `input_ids`, `labels`, `document_ids`, `position_ids`, `index`."""
     dataset = load_split(data_dir, split)
-    seq_len = dataset.features["input_ids"].length
+    seq_len = dataset.row_length("input_ids")
+    if seq_len is None:
+        raise ValueError(f"{data_dir}/{split}: input_ids are not fixed-length rows; rerun prepare_data")
     return Batches(dataset, batch_size, _sft_collate(seq_len), seed=seed, rank=rank,
                    world_size=world_size, shuffle=shuffle, loop=loop)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
+import pyarrow.parquet
 
 KINDS = ("sft", "preference", "prompts", "eval")
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -79,8 +79,10 @@ def load_source(
 ) -> Sequence[Any]:
     """Rows of a local `.jsonl/.json/.parquet/.csv` file, or of a hub dataset id (`split`, `subset`, `revision`).
 
-    Parquet, CSV and hub datasets load through `datasets`; JSON is parsed row by row so that a row
-    of the wrong shape is reported as a bad row rather than as an Arrow schema error.
+    Parquet is read with pyarrow (what the training stages read, the reward stage's pairs, needs
+    nothing heavier); CSV and hub datasets load through `datasets`, imported only then. JSON is
+    parsed row by row so that a row of the wrong shape is reported as a bad row rather than as an
+    Arrow schema error.
     """
     local = Path(path)
     if local.suffix in LOCAL_FORMATS or local.exists():
@@ -91,9 +93,15 @@ def load_source(
         if LOCAL_FORMATS[local.suffix] == "json":
             return _read_json_rows(local)
         try:
+            if LOCAL_FORMATS[local.suffix] == "parquet":
+                return pyarrow.parquet.read_table(local).to_pylist()
+            import datasets
+
             return datasets.load_dataset(LOCAL_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # the builders raise many types; name the file once
             raise DataError(f"data source {path}: cannot be read as {local.suffix[1:]} ({type(err).__name__}: {err})") from err
+    import datasets
+
     try:
         return datasets.load_dataset(path, subset, split=split or "train", revision=revision)
     except Exception as err:

@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chats
 from posttrain.data.packing import pack_or_pad
 from posttrain.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import datasets
 
 TRUNCATION = ("right", "drop")
 ROWS_PER_PROCESS = 20_000  # below this many rows per extra process, one process is faster
@@ -37,6 +39,8 @@ def _num_proc(n_rows: int) -> int | None:
 
 def _map(rows: list[dict[str, Any]], fn: Callable[[dict[str, list]], dict[str, list]], desc: str) -> datasets.Dataset:
     """Apply the batched `fn` to all rows with a progress bar, in several processes for large inputs; order kept."""
+    import datasets  # here: a training stage that tokenizes a few pairs need not hold it
+
     ds = datasets.Dataset.from_list(rows)
     return ds.map(fn, batched=True, batch_size=256, remove_columns=ds.column_names, num_proc=_num_proc(len(rows)), desc=desc)
 

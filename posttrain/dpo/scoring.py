@@ -98,7 +98,7 @@ def score_pairs(
     desc: str,
     show_progress: bool = True,
 ) -> PairLogps:
-    """Log-probs of every pair of `dataset` (a numpy-formatted `datasets.Dataset`), in row order, on CPU.
+    """Log-probs of every pair of `dataset` (a `posttrain.data.store.Split`), in row order, on CPU.
 
     Data-parallel ranks score disjoint slices of `rows_per_rank` rows and the results are summed
     over all processes, so every rank gets all rows. Each rank runs the same number of forwards
