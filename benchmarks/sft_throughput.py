@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain.data.loader import sft_rows_batch
+from posttrain.data.loader import length_multiple, sft_rows_batch
 from posttrain.data.packing import pack_or_pad
 from posttrain.models import preset_config
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
@@ -51,10 +51,13 @@ def stored_batches(rows: dict[str, np.ndarray], batch_rows: int) -> list[tuple[l
     return out
 
 
-def batches(rows: dict[str, np.ndarray], batch_rows: int, repack: bool = True
+def batches(rows: dict[str, np.ndarray], batch_rows: int, memory: dict[str, Any], repack: bool = True
             ) -> list[tuple[dict[str, torch.Tensor], int]]:
-    """Consecutive rows as the SFT loader batches them (`repack=False`: rows as stored, trimmed only)."""
-    return [(sft_rows_batch(*stored, repack=repack), useful) for stored, useful in stored_batches(rows, batch_rows)]
+    """Consecutive rows as the SFT stage's loader batches them under the `memory` settings
+    (`repack=False`: rows as stored, trimmed only)."""
+    multiple = length_multiple(bool(memory["compile"]))
+    return [(sft_rows_batch(*stored, repack=repack, multiple=multiple), useful)
+            for stored, useful in stored_batches(rows, batch_rows)]
 
 
 def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list[tuple[dict[str, torch.Tensor], int]],
@@ -105,22 +108,21 @@ def main() -> None:
     ids, labels = skewed_documents(args.docs, args.seq, args.vocab, seed=0)
     layouts = {name: pack_or_pad(ids, labels, args.seq, PAD_ID, packing=packing)
                for name, packing in (("packed", True), ("padded", False))}
-    data = {name: batches(rows, args.rows) for name, rows in layouts.items()}
-    data["padded (as stored)"] = batches(layouts["padded"], args.rows, repack=False)
     lengths = np.array([len(d) for d in ids])
     print(f"{len(ids)} documents, length median {np.median(lengths):.0f}, mean {lengths.mean():.0f}, "
           f"max {lengths.max()} (rows of {args.seq}); packed rows {len(layouts['packed']['input_ids'])}, "
           f"padded rows {len(layouts['padded']['input_ids'])}")
 
     results = []
-    runs = [("padded (as stored)", "padded (as stored)", ()), ("padded (padding-free)", "padded", ()),
+    runs = [("padded (as stored)", "padded", ()), ("padded (padding-free)", "padded", ()),
             ("packed", "packed", ())]
     runs += [(f"packed + {f}", "packed", (f,)) for f in args.features.split(",") if f]
     print(f"{'run':36} {'useful tok/s':>13} {'step s':>8} {'vs packed':>10}")
     packed = None
     for name, layout, features in runs:
         cfg = variant_config(features)
-        r = tokens_per_second(cfg, hf_config, data[layout], args.warmup, args.steps, device)
+        data = batches(layouts[layout], args.rows, cfg["memory"], repack=name != "padded (as stored)")
+        r = tokens_per_second(cfg, hf_config, data, args.warmup, args.steps, device)
         packed = r["useful_tokens_per_s"] if name == "packed" else packed
         rel = r["useful_tokens_per_s"] / packed if packed else float("nan")
         results.append({"run": name, **r, "vs_packed": rel})

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from posttrain.checkpoint import load_state_into, resolve_model_source
 from posttrain.config import load_resolved_config
 from posttrain.data.chat import shifted_labels
-from posttrain.data.loader import Batches, prompt_batches, sft_batches
+from posttrain.data.loader import Batches, length_multiple, prompt_batches, sft_batches
 from posttrain.data.packing import build_rows
 from posttrain.evaluation import is_correct
 from posttrain.generation import SamplingParams
@@ -397,6 +397,7 @@ def main() -> None:
     clip = max_grad_norm(distill)
 
     micro = micro_batch_size(distill, dp_size)
+    multiple = length_multiple(bool(memory["compile"]), cfg["parallel"]["tp"])
     if on_policy:
         every = int(distill["on_policy_every"])
         prompts = prompt_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size)
@@ -404,13 +405,13 @@ def main() -> None:
             prompts, every * accum, int(distill["max_new_tokens"]), int(cfg["data"]["max_seq_len"]), tokenizer
         )
     else:
-        train = sft_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size)
+        train = sft_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size, multiple=multiple)
     sampler: Transformer | None = None
 
     def evaluate() -> tuple[float, float]:
         """Held-out divergence and cross-entropy: one pass over `sft_eval`, from its start each time."""
         held_out = sft_batches(args.data, micro, seed=cfg["seed"], split="sft_eval", rank=dp_rank,
-                               world_size=dp_size, shuffle=False, loop=False)
+                               world_size=dp_size, shuffle=False, loop=False, multiple=multiple)
         return held_out_divergence(student, teacher, held_out, distill, memory, mesh, info.device)
 
     checkpointer = Checkpointer(args.out, every=distill["checkpoint_every"], key=cfg["key"])

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from posttrain.checkpoint import load_hf_model
 from posttrain.config import load_resolved_config
-from posttrain.data.loader import prompt_batches, sft_batches
+from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
 from posttrain.evaluation.lm_eval import run_lm_eval
 from posttrain.generation import SamplingParams
@@ -113,7 +113,8 @@ def preference_metrics(model: Transformer, model_dir: Path, record: dict[str, An
 
 
 def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]:
-    batches = sft_batches(data_dir, SCORING_BATCH, seed=seed, split="sft_eval", shuffle=False, loop=False)
+    batches = sft_batches(data_dir, SCORING_BATCH, seed=seed, split="sft_eval", shuffle=False, loop=False,
+                          multiple=length_multiple(compiled=False))
     if len(batches.dataset) == 0:
         return {"nll": None, "ppl": None, "nll_note": f"{data_dir}: the sft_eval split is empty"}
     return heldout_nll(model, batches, total=len(batches))

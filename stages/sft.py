@@ -27,7 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.config import load_resolved_config
-from posttrain.data.loader import Batches, sft_batches
+from posttrain.data.loader import Batches, length_multiple, sft_batches
 from posttrain.losses import IGNORE_INDEX, full_cross_entropy, linear_cross_entropy, num_loss_tokens
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
@@ -146,12 +146,13 @@ def main() -> None:
     clip = max_grad_norm(sft)
 
     micro = micro_batch_size(sft, dp_size)
-    train = sft_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size)
+    multiple = length_multiple(bool(memory["compile"]), cfg["parallel"]["tp"])
+    train = sft_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size, multiple=multiple)
 
     def evaluate() -> float:
         """Held-out loss: one pass over `sft_eval`, from its start each time."""
         held_out = sft_batches(args.data, micro, seed=cfg["seed"], split="sft_eval", rank=dp_rank,
-                               world_size=dp_size, shuffle=False, loop=False)
+                               world_size=dp_size, shuffle=False, loop=False, multiple=multiple)
         return held_out_loss(model, held_out, mesh, memory, info.device)
 
     checkpointer = Checkpointer(args.out, every=sft["checkpoint_every"], key=cfg["key"])

@@ -72,16 +72,21 @@ def test_parse_workloads():
 def test_summary_ratios_and_targets():
     from run import summarize
 
-    def run(side: str, seconds: float, peak: float, step: float) -> dict:
-        return {"side": side, "seconds": seconds, "steps": 3, "useful_tokens": 600, "peak_total_mib": peak,
-                "peak_step_mib": step, "losses": [1.0, 0.5]}
+    def run(side: str, seconds: float) -> dict:
+        return {"side": side, "measures": "speed", "seconds": seconds, "steps": 3, "useful_tokens": 600,
+                "losses": [1.0, 0.5]}
 
-    rows = [run("posttrain", 2.0, 600, 100), run("trl", 4.0, 1000, 300), run("posttrain", 4.0, 650, 90),
-            run("trl", 4.0, 900, 280)]
+    def memory(side: str, peak: float, step: float) -> dict:  # its time and loss are not read
+        return {"side": side, "measures": "memory", "seconds": 100.0, "steps": 3, "useful_tokens": 600,
+                "peak_total_mib": peak, "peak_step_mib": step, "losses": [9.0]}
+
+    rows = [memory("posttrain", 600, 100), memory("trl", 1000, 300), memory("posttrain", 650, 90),
+            memory("trl", 900, 280), run("posttrain", 2.0), run("trl", 4.0), run("posttrain", 4.0), run("trl", 4.0)]
     out = summarize("sft_packed", rows)
     assert out["posttrain"]["tokens_per_s"] == 1200 / 6 and out["trl"]["tokens_per_s"] == 1200 / 8
     assert out["ratios"]["tokens_per_s"] == pytest.approx(8 / 6)  # below 1.5: missed
     assert out["ratios"]["peak_total"] == 0.65 and out["ratios"]["peak_step"] == pytest.approx(100 / 300)
+    assert out["posttrain"]["final_loss"] == 0.5  # from the first speed run
     assert out["targets"] == {"tokens_per_s": False, "memory (process)": True, "memory (training)": True}
     assert summarize("grpo", rows)["targets"]["steps_per_s"] is True  # DPO/GRPO: steps/s >= 1.0
 
@@ -96,7 +101,8 @@ def test_both_sides_start_equal_and_count_the_same_tokens(tmp_path):
     result = json.loads(out.read_text())
     summary = {row["workload"]: row for row in result["summary"]}
     assert set(summary) == {"sft_padded", "sft_packed", "dpo", "grpo"}
-    runs = {(r["workload"], r["side"]): r for r in result["runs"]}
+    assert {r["measures"] for r in result["runs"]} == {"speed", "memory"}
+    runs = {(r["workload"], r["side"]): r for r in result["runs"] if r["measures"] == "speed"}
     for workload in ("sft_padded", "dpo"):  # same batches on both sides
         ours, trl = runs[(workload, "posttrain")], runs[(workload, "trl")]
         assert ours["useful_tokens"] == trl["useful_tokens"] > 0

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chat
-from posttrain.data.loader import TRIM_MULTIPLE, sft_rows_batch
-from posttrain.data.packing import best_fit_decreasing, build_rows, pack_or_pad
+from posttrain.data.loader import TRIM_MULTIPLE, length_multiple, sft_rows_batch
+from posttrain.data.packing import best_fit_decreasing, build_rows, pack_or_pad, shortest_rows
 from posttrain.data.tokenize import preference_split, prompt_split, sft_split
 from posttrain.losses import linear_cross_entropy
 from posttrain.models import Transformer, document_positions, preset_config
@@ -221,14 +221,29 @@ def test_padded_batches_go_padding_free_and_are_cut_after_the_last_trained_token
     # (documents, rows and length of the batch): three short padded rows share one row (spans of
     # 19 + 69 + 8 tokens, cut at 128); spans that fill a row each stay where they are; two rows of
     # two documents each become one row of four documents that never attend to each other.
-    cases = [((20, 70, 9), None, (1, TRIM_MULTIPLE * 2)), ((200, 180), None, (2, 256)),
-             ((60, 30, 50, 40), [[0, 1], [2, 3]], (1, TRIM_MULTIPLE * 3))]
-    for lengths, grouping, shape in cases:
+    # Eager runs cut to a multiple of 8, and spread the spans (199, 29, 39, 19) over their two rows so
+    # that the fuller is as short as it can be: 199 | 29 + 39 + 19, not best fit's 199 + 39 | 29 + 19.
+    cases = [((20, 70, 9), None, TRIM_MULTIPLE, (1, TRIM_MULTIPLE * 2)), ((200, 180), None, TRIM_MULTIPLE, (2, 256)),
+             ((60, 30, 50, 40), [[0, 1], [2, 3]], TRIM_MULTIPLE, (1, TRIM_MULTIPLE * 3)),
+             ((200, 30, 40, 20), None, length_multiple(compiled=False), (2, 200)),
+             ((200, 30, 40, 20), None, length_multiple(compiled=True), (2, 256))]
+    for lengths, grouping, multiple, shape in cases:
         rows = rows_of(lengths, grouping)
-        batch = sft_rows_batch(rows["input_ids"], rows["labels"], rows["document_ids"])
+        batch = sft_rows_batch(rows["input_ids"], rows["labels"], rows["document_ids"], multiple=multiple)
         assert tuple(batch["input_ids"].shape) == shape, lengths
         assert int((batch["labels"] != IGNORE_INDEX).sum()) == int((rows["labels"] != IGNORE_INDEX).sum())
         torch.testing.assert_close(loss(batch), loss(rows), rtol=1e-5, atol=0)
     rows = rows_of((20, 70, 9))
     untrained = sft_rows_batch(rows["input_ids"], torch.full_like(rows["labels"], IGNORE_INDEX), rows["document_ids"])
     assert untrained["input_ids"].shape == (3, TRIM_MULTIPLE)
+
+
+def test_shortest_rows_bisects_the_row_length_and_keeps_the_row_count() -> None:
+    lengths = [199, 29, 39, 19]
+    assert [sum(lengths[i] for i in g) for g in best_fit_decreasing(lengths, 256)] == [238, 48]
+    assert shortest_rows(lengths, 2, 256, 8) == [[0], [1, 2, 3]]
+    assert shortest_rows(lengths, 2, 256, 64) == best_fit_decreasing(lengths, 256)  # 256 is the first multiple >= 199
+    even = [50] * 6
+    assert [sum(even[i] for i in g) for g in shortest_rows(even, 2, 256, 1)] == [150, 150]
+    assert length_multiple(compiled=False, tp=2) == 8 and length_multiple(compiled=False, tp=16) == 16
+    assert length_multiple(compiled=True, tp=4) == TRIM_MULTIPLE

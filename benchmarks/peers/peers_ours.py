@@ -167,10 +167,10 @@ def _step(state: dict[str, Any], batch: Any, step: int) -> tuple[float, int]:
     if kind == "sft":
         from sft_memory import train_step
 
-        from posttrain.data.loader import sft_rows_batch
+        from posttrain.data.loader import length_multiple, sft_rows_batch
 
         stored, useful = batch  # useful: the non-pad tokens of the rows as stored (TRL's count)
-        batch = sft_rows_batch(*stored)
+        batch = sft_rows_batch(*stored, multiple=length_multiple(bool(state["cfg"]["memory"]["compile"])))
     else:
         from dpo_memory import train_step
 

@@ -9,10 +9,13 @@ the same synthetic data with the same batch size, sequence length, AdamW setting
 `peers_ours.py` and `peers_trl.py` the two sides. Every run is a freshly started process
 (`benchmarks/_memory.py`) that imports only its own side's libraries (posttrain's runs never load
 transformers or TRL, TRL's never load posttrain), so the whole-process peak is what a job of that
-side needs. The runs alternate: for each workload and round, posttrain then TRL, so a change of
-machine load hits both sides alike. The ratios printed at the end come from this one invocation. Targets (issue
-12): SFT useful tokens/s >= 1.5x TRL (padded and packed), peak memory <= 0.7x TRL, DPO and GRPO
-steps/s >= 1.0x TRL.
+side needs. Speed and memory come from separate runs: speed from `--rounds` runs per side under
+glibc's default allocator (as a job runs), memory from one run per side with the allocator's
+mmap threshold pinned (`benchmarks/_memory.py`: the resident set then follows live tensors, but
+every large tensor costs page faults, so those runs are slow). The runs alternate, posttrain
+then TRL, so a change of machine load hits both sides alike. The ratios printed at the end come
+from this one invocation. Targets (issue 12): SFT useful tokens/s >= 1.5x TRL (padded and
+packed), peak memory <= 0.7x TRL, DPO and GRPO steps/s >= 1.0x TRL.
 """
 
 from __future__ import annotations
@@ -103,17 +106,19 @@ def environment(threads: int) -> dict[str, Any]:
 
 
 def summarize(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per side: tokens/s and steps/s over all rounds' timed windows, worst peak memory, final loss of round 1."""
+    """Per side: tokens/s and steps/s over all speed runs' timed windows, the worst peak of its memory
+    runs, the final loss of its first speed run."""
     out: dict[str, Any] = {"workload": workload}
     for side in SIDES:
-        mine = [r for r in runs if r["side"] == side]
-        seconds = sum(r["seconds"] for r in mine)
+        timed = [r for r in runs if r["side"] == side and r["measures"] == "speed"]
+        sized = [r for r in runs if r["side"] == side and r["measures"] == "memory"]
+        seconds = sum(r["seconds"] for r in timed)
         out[side] = {
-            "tokens_per_s": sum(r["useful_tokens"] for r in mine) / seconds,
-            "steps_per_s": sum(r["steps"] for r in mine) / seconds,
-            "peak_total_mib": max(r["peak_total_mib"] for r in mine),
-            "peak_step_mib": max(r["peak_step_mib"] for r in mine),
-            "final_loss": mine[0]["losses"][-1],
+            "tokens_per_s": sum(r["useful_tokens"] for r in timed) / seconds,
+            "steps_per_s": sum(r["steps"] for r in timed) / seconds,
+            "peak_total_mib": max(r["peak_total_mib"] for r in sized),
+            "peak_step_mib": max(r["peak_step_mib"] for r in sized),
+            "final_loss": timed[0]["losses"][-1],
         }
     ours, theirs = out["posttrain"], out["trl"]
     out["ratios"] = {
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workloads", default="sft,dpo,grpo", help="comma-separated: sft, sft_padded, sft_packed, dpo, grpo")
     parser.add_argument("--steps", type=int, default=Settings.steps, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=Settings.warmup, help="untimed steps before them (>= 1)")
-    parser.add_argument("--rounds", type=int, default=1, help="posttrain/TRL run pairs per workload")
+    parser.add_argument("--rounds", type=int, default=1, help="posttrain/TRL speed-run pairs per workload")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (0: torch's default); 1 avoids OpenMP spin contention on a loaded machine")
     parser.add_argument("--seq", type=int, default=Settings.seq)
@@ -181,17 +186,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peers-") as work:
         folder = build_model_folder(model_config(s), Path(work) / "model", seed=s.seed)
         for workload in workloads:
+            for side in SIDES:
+                m = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu")
+                row = {"workload": workload, "side": side, "measures": "memory", **m.result,
+                       "peak_step_mib": m.peak_mib, "peak_total_mib": m.baseline_mib + m.peak_mib,
+                       "setup_mib": m.baseline_mib}
+                runs.append(row)
+                print(f"  {workload:11} {side:9} memory: peak {row['peak_total_mib']:6.0f} MiB (after setup "
+                      f"{row['setup_mib']:4.0f}), loss {row['losses'][-1]:.5g}", flush=True)
             for round_ in range(args.rounds):
                 for side in SIDES:
-                    m = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu")
-                    r = m.result
-                    row = {"workload": workload, "side": side, "round": round_, **r,
-                           "peak_step_mib": m.peak_mib, "peak_total_mib": m.baseline_mib + m.peak_mib,
-                           "setup_mib": m.baseline_mib}
-                    runs.append(row)
-                    print(f"  {workload:11} {side:9} round {round_ + 1}: {r['useful_tokens'] / r['seconds']:8.1f} "
-                          f"useful tok/s, {r['seconds'] / r['steps']:6.2f} s/step, peak {row['peak_total_mib']:6.0f} MiB, "
-                          f"loss {r['losses'][-1]:.5g}", flush=True)
+                    r = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu",
+                                    pin_allocator=False).result
+                    runs.append({"workload": workload, "side": side, "measures": "speed", "round": round_, **r})
+                    print(f"  {workload:11} {side:9} speed, round {round_ + 1}: {r['useful_tokens'] / r['seconds']:8.1f} "
+                          f"useful tok/s, {r['seconds'] / r['steps']:6.2f} s/step, loss {r['losses'][-1]:.5g}", flush=True)
     env["load_average_end"] = os.getloadavg()
     summaries = [summarize(w, [r for r in runs if r["workload"] == w]) for w in workloads]
     print()

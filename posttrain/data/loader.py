@@ -20,6 +20,7 @@ Batch keys:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -104,9 +105,17 @@ def _long(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
 
 
-# Trimmed lengths are multiples of this: few distinct shapes for torch.compile, and divisible by any
-# power-of-two tensor-parallel degree up to it (sequence parallelism splits the sequence).
+# Trimmed lengths are multiples of this by default: few distinct shapes for torch.compile, and
+# divisible by any power-of-two tensor-parallel degree up to it (sequence parallelism splits the
+# sequence). Eager runs use EAGER_MULTIPLE (`length_multiple`).
 TRIM_MULTIPLE = 64
+EAGER_MULTIPLE = 8  # aligned for tensor cores, and few positions computed past the last trained token
+
+
+def length_multiple(compiled: bool, tp: int = 1) -> int:
+    """What a run's batch lengths are multiples of: `TRIM_MULTIPLE` under torch.compile (each new
+    shape recompiles), `EAGER_MULTIPLE` otherwise; always divisible by the tensor-parallel degree."""
+    return math.lcm(TRIM_MULTIPLE if compiled else EAGER_MULTIPLE, tp)
 
 
 def trim_to_trained(batch: Batch, multiple: int = TRIM_MULTIPLE) -> Batch:
@@ -123,19 +132,21 @@ def trim_to_trained(batch: Batch, multiple: int = TRIM_MULTIPLE) -> Batch:
 
 
 def sft_rows_batch(input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor,
-                   repack: bool = True) -> Batch:
+                   repack: bool = True, multiple: int = TRIM_MULTIPLE) -> Batch:
     """A training batch from [rows, L] SFT rows: padding-free (trained spans repacked; `repack=False`
-    keeps the rows as stored, for comparison), trimmed, with per-document position ids."""
+    keeps the rows as stored, for comparison), trimmed to a multiple of `multiple`, with
+    per-document position ids."""
     rows = (input_ids, labels, document_ids)
     batch = trim_to_trained(dict(zip(("input_ids", "labels", "document_ids"),
-                                     repack_trained_spans(*rows) if repack else rows)))
+                                     repack_trained_spans(*rows, multiple=multiple) if repack else rows)), multiple)
     batch["position_ids"] = document_positions(batch["document_ids"])
     return batch
 
 
-def _sft_collate(seq_len: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
+def _sft_collate(seq_len: int, multiple: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
     def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
-        batch = sft_rows_batch(*(_long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids")))
+        rows = (_long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids"))
+        batch = sft_rows_batch(*rows, multiple=multiple)
         batch["index"] = _long(index)
         return batch
 
@@ -177,14 +188,15 @@ def prompt_collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
 
 def sft_batches(
     data_dir: str | Path, batch_size: int, *, seed: int, split: str = "sft", rank: int = 0, world_size: int = 1,
-    shuffle: bool = True, loop: bool = True,
+    shuffle: bool = True, loop: bool = True, multiple: int = TRIM_MULTIPLE,
 ) -> Batches:
-    """Packed (or padded) SFT rows: `input_ids`, `labels`, `document_ids`, `position_ids`, `index`."""
+    """Packed (or padded) SFT rows: `input_ids`, `labels`, `document_ids`, `position_ids`, `index`;
+    batch lengths are multiples of `multiple` (see `length_multiple`)."""
     dataset = load_split(data_dir, split)
     seq_len = dataset.row_length("input_ids")
     if seq_len is None:
         raise ValueError(f"{data_dir}/{split}: input_ids are not fixed-length rows; rerun prepare_data")
-    return Batches(dataset, batch_size, _sft_collate(seq_len), seed=seed, rank=rank,
+    return Batches(dataset, batch_size, _sft_collate(seq_len, multiple), seed=seed, rank=rank,
                    world_size=world_size, shuffle=shuffle, loop=loop)
 
 

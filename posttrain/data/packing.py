@@ -78,24 +78,48 @@ def pack_or_pad(
     return build_rows(docs_ids, docs_labels, rows, max_len, pad_id)
 
 
+def shortest_rows(lengths: Sequence[int], rows: int, max_len: int, multiple: int) -> list[list[int]]:
+    """`best_fit_decreasing` into at most `rows` rows, of the shortest length (a multiple of
+    `multiple`, else `max_len`) at which it still fits them in that many (MULTIFIT's bisection).
+
+    Rows that are trimmed to their longest then cost the fewest positions. `lengths` must fit in
+    `rows` rows of `max_len`.
+    """
+    shortest = max(max(lengths), -(-sum(lengths) // rows))
+    capacities = [*range(-(-shortest // multiple) * multiple, max_len, multiple), max_len]
+    low, high = 0, len(capacities) - 1
+    best = best_fit_decreasing(lengths, max_len)
+    while low < high:
+        mid = (low + high) // 2
+        groups = best_fit_decreasing(lengths, capacities[mid])
+        if len(groups) <= rows:
+            best, high = groups, mid
+        else:
+            low = mid + 1
+    return best
+
+
 def repack_trained_spans(
-    input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor
+    input_ids: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor, multiple: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[rows, L] SFT rows with each row's span up to its last trained token packed into as few rows as fit.
 
     Attention is causal and per document, so what follows a row's last trained token changes no
     loss term: each row's span is a unit that can share a row with others (the same loss, fewer
-    positions computed: padding-free batches). The new rows are laid out by `build_rows` from the
-    spans' documents (token 0 in the tail). The rows come back unchanged unless packing saves at
-    least one row.
+    positions computed: padding-free batches). The spans are spread over those rows so that the
+    fullest is as short as it can be, to a multiple of `multiple` (`shortest_rows`): the batch is
+    then trimmed to it. The new rows are laid out by `build_rows` from the spans' documents (token 0
+    in the tail). The rows come back unchanged unless packing saves at least one row.
     """
     rows, width = input_ids.shape
     trained = labels != IGNORE_INDEX
     ends = torch.where(trained.any(1), width - trained.flip(1).int().argmax(1), 0).tolist()
     spans = [r for r in range(rows) if ends[r]]
-    groups = best_fit_decreasing([ends[r] for r in spans], width) if spans else []
+    lengths = [ends[r] for r in spans]
+    groups = best_fit_decreasing(lengths, width) if spans else []
     if not spans or len(groups) >= rows:
         return input_ids, labels, document_ids
+    groups = shortest_rows(lengths, len(groups), width, multiple)
     docs_ids: list[torch.Tensor] = []
     docs_labels: list[torch.Tensor] = []
     span_docs: list[list[int]] = []  # per span: its documents' indices in docs_ids
