@@ -1,16 +1,21 @@
-"""report: one table and two figures over every variant's stages and evaluations.
+"""report: tables and figures over every variant's stages and evaluations, stages in pipeline order.
 
     python stages/report.py --config results/report.config.json --out results/report
 
 The config is the workflow's report config: `{"stage": "report", "key", "variants": {name:
 manifest}}`, each manifest naming the variant's stage outputs (`stages: {stage: {key, path}}`),
-its evaluations (`eval: {stage: {key, path}}`) and `overrides`. Output (written to a temporary
-sibling and renamed when complete):
+its evaluations (`eval: {stage: {key, path}}`), the model stage each model started from
+(`previous: {stage: stage or null}`) and `overrides`. Output (written to a temporary sibling and
+renamed when complete):
 
-    summary.tsv        one row per variant and evaluated stage (columns: posttrain.evaluation.summary)
-    loss_curves.png    training loss per stage (metrics.jsonl), one line per distinct stage output
-    eval_metrics.png   accuracy, pass@k, reward, NLL, preference accuracy by stage and variant
-    posttrain.json     provenance
+    summary.tsv           one row per variant and evaluated stage (columns: posttrain.evaluation.summary)
+    effects.tsv           per seed group, stage and metric: mean, spread, change from the previous
+                          stage (columns: posttrain.evaluation.effects)
+    objective_curves.png  each stage's objective keys against step (posttrain.evaluation.curves)
+    eval_metrics.png      accuracy, pass@k, reward, NLL, preference accuracy by stage and variant
+    stage_effects.png     effects.tsv drawn: value and change per stage, error bars over seeds
+    machine.json          CPU, ISA flags, threads, commit, date (posttrain.evaluation.machine)
+    posttrain.json        provenance
 
 Captions for Snakemake's HTML report: workflow/report/*.rst.
 """
@@ -23,13 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.evaluation.plots import loss_curves, plot_eval_metrics, plot_loss_curves
-from posttrain.evaluation.summary import pass_columns, stage_records, summary_rows, summary_table
+from posttrain.evaluation.curves import OBJECTIVES, objective_curves
+from posttrain.evaluation.effects import effect_metrics, effects_table
+from posttrain.evaluation.machine import machine_info
+from posttrain.evaluation.plots import plot_eval_metrics, plot_objective_curves, plot_stage_effects
+from posttrain.evaluation.summary import stage_records, summary_rows, summary_table
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
-EVAL_PLOT_METRICS = ("accuracy", "reward", "nll", "pref_acc")  # pass@k columns go after accuracy
-UNTRAINED_STAGES = ("prepare_data",)  # stages without a training loss
+MANIFEST_KEYS = ("stages", "eval", "previous")
 
 
 def read_report_config(path: str) -> dict[str, Any]:
@@ -42,18 +49,19 @@ def read_report_config(path: str) -> dict[str, Any]:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("variants"), dict) or not cfg["variants"]:
         raise ValueError(f"report config {path}: needs a non-empty 'variants' mapping (name -> manifest)")
     for name, manifest in cfg["variants"].items():
-        missing = [k for k in ("stages", "eval") if k not in manifest]
+        missing = [k for k in MANIFEST_KEYS if k not in manifest]
         if missing:
             raise ValueError(f"report config {path}: variant {name!r} lacks {', '.join(missing)}")
     return cfg
 
 
 def stage_runs(variants: dict[str, Any]) -> dict[str, dict[str, tuple[list[str], list[dict]]]]:
-    """{stage: {key: (variant names, metrics.jsonl records)}}: each stage output read once."""
+    """{stage: {key: (variant names, metrics.jsonl records)}} of the stages with objective curves:
+    each stage output read once."""
     runs: dict[str, dict[str, tuple[list[str], list[dict]]]] = {}
     for name, manifest in variants.items():
         for stage, ref in manifest["stages"].items():
-            if stage in UNTRAINED_STAGES:
+            if stage not in OBJECTIVES:
                 continue
             by_key = runs.setdefault(stage, {})
             if ref["key"] not in by_key:
@@ -72,12 +80,16 @@ def main() -> None:
 
     rows = summary_rows(cfg["variants"])
     table = summary_table(rows)
-    curves = loss_curves(stage_runs(cfg["variants"]))
-    metrics = [EVAL_PLOT_METRICS[0], *pass_columns(rows), *EVAL_PLOT_METRICS[1:]]
+    effects = effects_table(table)
+    metrics = effect_metrics(table.columns)
+    curves = objective_curves(stage_runs(cfg["variants"]))
     with atomic_dir(args.out) as out:
         table.to_csv(out / "summary.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
-        plot_loss_curves(curves, out / "loss_curves.png")
+        effects.to_csv(out / "effects.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
+        plot_objective_curves(curves, out / "objective_curves.png")
         plot_eval_metrics(rows, metrics, out / "eval_metrics.png")
+        plot_stage_effects(effects, metrics, out / "stage_effects.png")
+        (out / "machine.json").write_text(json.dumps(machine_info(cfg["variants"]), indent=2) + "\n", encoding="utf-8")
         write_provenance(out, cfg, "report", started, {"rows": len(rows), "variants": len(cfg["variants"])})
     print(json.dumps({"out": args.out, "rows": len(rows), "variants": len(cfg["variants"])}))
 

@@ -20,7 +20,7 @@ import yaml
 from posttrain.workflow.ablations import parse_cell, read_ablations
 from posttrain.workflow.config import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
 from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources, spec_from_resources
-from posttrain.workflow.plan import KEY_LENGTH, build_plan
+from posttrain.workflow.plan import KEY_LENGTH, MODEL_STAGES, build_plan, pipeline_order
 from posttrain.workflow.views import write_json, write_plan_configs, write_variant_view
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,6 +155,31 @@ def test_example_sweep_table_shares_the_prefix():
     plan = build_plan(cfg_with(ablations=str(REPO / "config/examples/ablations-grpo.tsv")))
     assert list(plan.variants) == ["g4", "g8", "g16"]
     assert len(plan.jobs["dpo"]) == 1 and len(plan.jobs["reward"]) == 1 and len(plan.jobs["grpo"]) == 3
+
+
+def test_seed_table_replicates_the_default_pipeline(tmp_path):
+    plan = build_plan(cfg_with(ablations=str(REPO / "config/seeds.tsv")))
+    assert list(plan.variants) == ["seed1234", "seed1", "seed2"]
+    assert [v.overrides for v in plan.variants.values()] == [{"seed": 1234}, {"seed": 1}, {"seed": 2}]
+    assert [v.stages["sft"].resolved["seed"] for v in plan.variants.values()] == [1234, 1, 2]
+    assert len(plan.jobs["prepare_data"]) == 3 and len(plan.jobs["distill"]) == 3  # the seed reaches every stage
+    default = build_plan(cfg_with()).variants["default"]
+    assert plan.variants["seed1234"].manifest()["stages"] == default.manifest()["stages"]  # 1234: config.yaml's
+    assert "-1 must be >= 0" in table_error(tmp_path, "variant|seed\nneg|-1\n")
+
+
+def test_manifest_names_each_models_previous_stage():
+    assert build_plan(cfg_with()).variants["default"].manifest()["previous"] == {
+        "sft": None, "dpo": "sft", "grpo": "dpo", "distill": "grpo"}
+    taught_by_dpo = build_plan(cfg_with(distill={"teacher_stage": "dpo"})).variants["default"]
+    assert taught_by_dpo.previous()["distill"] == "dpo"
+
+
+def test_pipeline_order_is_the_dag_order():
+    assert pipeline_order(["distill", "dpo", "grpo", "sft"]) == list(MODEL_STAGES) == ["sft", "dpo", "grpo", "distill"]
+    assert pipeline_order(["grpo", "reward", "prepare_data"]) == ["prepare_data", "reward", "grpo"]
+    with pytest.raises(ValueError, match="unknown stage.*rlhf"):
+        pipeline_order(["sft", "rlhf"])
 
 
 def test_cells_are_parsed_to_schema_types(tmp_path):

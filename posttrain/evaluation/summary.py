@@ -1,9 +1,13 @@
-"""The cross-variant summary table: one row per variant and evaluated stage.
+"""The cross-variant summary table: one row per variant and evaluated stage, in pipeline order.
 
 Columns of `summary.tsv` (empty cell = not applicable or not measured):
 
     variant            ablation variant name
+    group              the variant's overrides without `seed` (`default` when none): variants that
+                       differ only in their seed form one group, aggregated by posttrain.evaluation.effects
+    seed               the stage's seed (its posttrain.json)
     stage              model-producing stage (sft, dpo, grpo, distill)
+    previous           the model stage this one started from (empty for sft; distill: its teacher)
     key                the stage output's key (results/<stage>/<key>/)
     eval_key           the evaluation's key (results/eval/<eval_key>/)
     n_prompts          eval prompts scored
@@ -22,17 +26,22 @@ Columns of `summary.tsv` (empty cell = not applicable or not measured):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from posttrain.utils.io import PROVENANCE_FILE
+from posttrain.utils.provenance import read_provenance
+from posttrain.workflow.plan import pipeline_order
 
-HEAD_COLUMNS = ("variant", "stage", "key", "eval_key", "n_prompts", "accuracy")
+SEED_KEY = "seed"  # the override that makes replicates, not a different experiment
+BASE_GROUP = "default"
+HEAD_COLUMNS = ("variant", "group", "seed", "stage", "previous", "key", "eval_key", "n_prompts", "accuracy")
 TAIL_COLUMNS = ("reward", "response_len", "nll", "ppl", "pref_acc", "train_steps", "final_loss", "train_wall_time_s",
                 "overrides")
+INTEGER_COLUMNS = ("seed", "n_prompts", "train_steps")
+EVAL_COLUMNS = ("n_prompts", "accuracy", "reward", "response_len", "nll", "ppl", "pref_acc")  # and pass@k
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -69,37 +78,54 @@ def _last(records: Sequence[Mapping[str, Any]], field: str) -> Any:
     return values[-1] if values else None
 
 
-def _wall_time(folder: Path) -> float | None:
-    path = folder / PROVENANCE_FILE
-    return json.loads(path.read_text()).get("wall_time_s") if path.is_file() else None
-
-
-def _overrides(overrides: Mapping[str, Any]) -> str:
+def format_overrides(overrides: Mapping[str, Any]) -> str:
     return ";".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
 
 
+def group_name(overrides: Mapping[str, Any]) -> str:
+    """The variant's group: its overrides without the seed, so seed replicates share one name."""
+    return format_overrides({k: v for k, v in overrides.items() if k != SEED_KEY}) or BASE_GROUP
+
+
 def summary_rows(variants: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Rows from the report config's `variants` (each a variant manifest: stages, eval, overrides)."""
+    """Rows from the report config's `variants` (each a variant manifest: stages, eval, previous, overrides)."""
     rows = []
     for name, manifest in variants.items():
-        for stage, ref in manifest["eval"].items():
-            metrics = _eval_metrics(Path(ref["path"]))
-            model = manifest["stages"][stage]
+        overrides = manifest.get("overrides", {})
+        for stage in pipeline_order(manifest["eval"]):
+            evaluation, model = manifest["eval"][stage], manifest["stages"][stage]
+            metrics = _eval_metrics(Path(evaluation["path"]))
             records = stage_records(model["path"])
-            row = {"variant": name, "stage": stage, "key": model["key"], "eval_key": ref["key"]}
-            row.update({k: v for k, v in metrics.items() if k in HEAD_COLUMNS[4:] + TAIL_COLUMNS or k.startswith("pass@")})
+            provenance = read_provenance(model["path"])
+            row = {"variant": name, "group": group_name(overrides), "seed": provenance.get("seed"), "stage": stage,
+                   "previous": manifest["previous"][stage], "key": model["key"], "eval_key": evaluation["key"]}
+            row.update({k: v for k, v in metrics.items() if k in EVAL_COLUMNS or k.startswith("pass@")})
             row.update(train_steps=_last(records, "step"), final_loss=_last(records, "loss"),
-                       train_wall_time_s=_wall_time(Path(model["path"])),
-                       overrides=_overrides(manifest.get("overrides", {})))
+                       train_wall_time_s=provenance.get("wall_time_s"), overrides=format_overrides(overrides))
             rows.append(row)
     return rows
 
 
-def pass_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [f"pass@{k}" for k in sorted({int(c.split("@")[1]) for row in rows for c in row if c.startswith("pass@")})]
+def pass_columns(names: Iterable[str]) -> list[str]:
+    """The pass@k names among column names, by increasing k."""
+    return [f"pass@{k}" for k in sorted({int(c.split("@")[1]) for c in names if c.startswith("pass@")})]
 
 
 def summary_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """The rows in the documented column order."""
-    columns = [*HEAD_COLUMNS, *pass_columns(rows), *TAIL_COLUMNS]
-    return pd.DataFrame(list(rows), columns=columns)
+    columns = [*HEAD_COLUMNS, *pass_columns(c for row in rows for c in row), *TAIL_COLUMNS]
+    table = pd.DataFrame(list(rows), columns=columns)
+    return table.astype({c: "Int64" for c in INTEGER_COLUMNS})  # no 1.23457e+07 seeds once a cell is empty
+
+
+def read_summary(path: str | Path) -> pd.DataFrame:
+    """`summary.tsv` read back (empty cells as NaN); a missing file or column is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; run the report stage first (snakemake <results>/report)")
+    table = pd.read_csv(path, sep="\t", dtype={"variant": str, "group": str, "stage": str, "previous": str,
+                                               "key": str, "eval_key": str, "overrides": str})
+    missing = [c for c in HEAD_COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(f"{path}: lacks column(s) {', '.join(missing)}; rerun the report stage")
+    return table

@@ -42,6 +42,7 @@ def write_provenance(out_dir: str | Path, cfg: dict[str, Any], stage: str, start
         "seed": cfg.get("seed"),
         "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
         "wall_time_s": round(now - started, 3),
+        "threads": torch.get_num_threads(),  # intra-op threads change float rounding: the report records them
         "versions": {
             "posttrain": importlib.metadata.version("posttrain"),
             "torch": torch.__version__,
@@ -54,3 +55,14 @@ def write_provenance(out_dir: str | Path, cfg: dict[str, Any], stage: str, start
     path = Path(out_dir) / PROVENANCE_FILE
     path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     return record
+
+
+def read_provenance(folder: str | Path) -> dict[str, Any]:
+    """A stage output's `posttrain.json`, or {} when it has none; a corrupt file is an error naming it."""
+    path = Path(folder) / PROVENANCE_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None

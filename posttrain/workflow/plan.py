@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,8 @@ KEY_VERSION = 1  # bump when the key recipe changes, so old outputs are not reus
 KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
 
-# Stage (rule and script name) -> directory under results/.
+# Stage (rule and script name) -> directory under results/, in pipeline (DAG) order: the one order
+# the report, its tables and figures follow.
 STAGE_DIRS = {
     "prepare_data": "data",
     "sft": "sft",
@@ -38,7 +39,7 @@ STAGE_DIRS = {
     "evaluate": "eval",
     "export": "export",
 }
-MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model; each is evaluated
+MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, in pipeline order; each is evaluated
 
 _TRAINING = ("seed", "model.policy", "model.tokenizer", "model.dtype", "data", "memory", "parallel")
 # Config keys each stage reads itself (besides what its inputs carry). `<section>.resources` is
@@ -54,6 +55,16 @@ USES: dict[str, tuple[str, ...]] = {
     "export": ("export",),
 }
 RESOURCES_FROM = {"prepare_data": "data", "evaluate": "eval"}  # stage -> section holding its resources
+
+
+def pipeline_order(stages: Iterable[str]) -> list[str]:
+    """`stages` in the order the pipeline runs them (not alphabetical); an unknown stage is an error."""
+    stages = list(stages)
+    unknown = sorted(set(stages) - set(STAGE_DIRS))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the pipeline's stages are {', '.join(STAGE_DIRS)}")
+    order = list(STAGE_DIRS)
+    return sorted(stages, key=order.index)
 
 
 def canonical_json(value: Any) -> str:
@@ -117,6 +128,11 @@ class VariantPlan:
     def jobs(self) -> list[Job]:
         return [*self.stages.values(), *self.evals.values(), self.export]
 
+    def previous(self) -> dict[str, str | None]:
+        """Model stage -> the model stage it started from (None for SFT): what the report's deltas compare to."""
+        inputs = {stage: self.stages[stage].inputs.values() for stage in MODEL_STAGES}
+        return {stage: next((job.stage for job in jobs if job.stage in MODEL_STAGES), None) for stage, jobs in inputs.items()}
+
     def manifest(self) -> dict[str, Any]:
         """The human view of the variant (results/variants/<name>/manifest.json)."""
         return {
@@ -124,6 +140,7 @@ class VariantPlan:
             "overrides": self.overrides,
             "stages": {stage: job.ref() for stage, job in self.stages.items()},
             "eval": {stage: job.ref() for stage, job in self.evals.items()},
+            "previous": self.previous(),
             "export": {"stage": self.export.inputs["model"].stage, **self.export.ref()},
         }
 

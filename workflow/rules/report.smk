@@ -1,5 +1,6 @@
-# One summary over every variant's evals: results/report/ (summary.tsv, plots). Its config lists
-# each variant's manifest (stage -> key and path, eval -> key and path).
+# One summary over every variant's evals: results/report/ (summary.tsv, effects.tsv, figures,
+# machine.json). Its config lists each variant's manifest (stage -> key and path, eval -> key and
+# path, previous model stage). Every table and figure goes into `snakemake --report` with its caption.
 rule report:
     input:
         script=script("report"),
@@ -8,7 +9,7 @@ rule report:
     output:
         report(
             directory(f"{RESULTS}/report"),
-            patterns=["{name}.png", "{name}.tsv"],
+            patterns=["{name}.png", "{name}.tsv", "{name,machine}.json"],
             caption="../report/results.rst",
             category="Results",
             labels={"file": "{name}"},

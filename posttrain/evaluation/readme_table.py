@@ -1,0 +1,153 @@
+"""The README's results table, generated from a report directory rather than typed.
+
+    python -m posttrain.evaluation.readme_table results/report [--update README.md]
+
+Prints a markdown table from `summary.tsv`: one row per stage in pipeline order (one per variant
+group where the groups' models differ), greedy accuracy, pass@k, NLL, preference accuracy and the
+change from the stage the model started from; a group with several seeds shows mean ± std (sample
+std). A line under it names the machine (`machine.json`: CPU model, ISA flags), the threads, the
+date, the commit and this command, since float rounding and so the numbers depend on them.
+`--update FILE` replaces what lies between the markers `<!-- results:begin -->` and
+`<!-- results:end -->` in FILE with the table and that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from posttrain.evaluation.effects import effects_table
+from posttrain.evaluation.summary import pass_columns, read_summary
+from posttrain.workflow.plan import pipeline_order
+
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+LABELS = {"accuracy": "greedy accuracy", "nll": "NLL"}
+CHANGE = "change from previous stage"
+
+
+def table_metrics(summary: pd.DataFrame) -> list[str]:
+    return ["accuracy", *pass_columns(summary.columns), "nll", "pref_acc"]
+
+
+def _value(mean: float, std: float, n: int, signed: bool = False) -> str:
+    if math.isnan(mean):
+        return "–"
+    text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+    return f"{text} ± {std:.3f}" if n > 1 and not math.isnan(std) else text
+
+
+def _row_groups(summary: pd.DataFrame) -> list[tuple[str, str]]:
+    """(stage, group) rows in pipeline order; a group whose models at a stage are another group's
+    (same eval keys: a shared prefix of the pipeline) is that row, not a second one."""
+    models = summary.groupby(["stage", "group"], sort=False)["eval_key"].agg(frozenset)
+    groups = list(dict.fromkeys(summary["group"]))
+    rows = []
+    for stage in pipeline_order(set(summary["stage"])):
+        seen: set[frozenset] = set()
+        for group in groups:
+            if (stage, group) in models.index and models[(stage, group)] not in seen:
+                seen.add(models[(stage, group)])
+                rows.append((stage, group))
+    return rows
+
+
+def _label(metric: str) -> str:
+    return LABELS.get(metric, metric)
+
+
+def markdown_table(summary: pd.DataFrame) -> str:
+    """The table (markdown, pipe format) of a summary table."""
+    metrics = table_metrics(summary)
+    effects = effects_table(summary).set_index(["stage", "group", "metric"])
+    rows = _row_groups(summary)
+    per_stage = pd.Series([stage for stage, _ in rows]).value_counts()
+    lines = []
+    for stage, group in rows:
+        line = {"stage": stage if per_stage[stage] == 1 else f"{stage}, {group}"}
+        changes = []
+        for metric in metrics:
+            e = effects.loc[(stage, group, metric)] if (stage, group, metric) in effects.index else None
+            line[_label(metric)] = "–" if e is None else _value(e["mean"], e["std"], e["n"])
+            if e is not None and not math.isnan(e["delta_mean"]):
+                changes.append(f"{_label(metric)} {_value(e['delta_mean'], e['delta_std'], e['n'], signed=True)}")
+        line[CHANGE] = "; ".join(changes) or "–"
+        lines.append(line)
+    table = pd.DataFrame(lines)
+    table["stage"] = table["stage"].str.replace("|", "\\|")
+    align = ["left", *["right"] * len(metrics), "left"]
+    return table.to_markdown(index=False, tablefmt="pipe", colalign=align, disable_numparse=True)
+
+
+def _flags(isa: Mapping[str, bool]) -> str:
+    present = ", ".join(f for f, on in isa.items() if on) or "none"
+    absent = ", ".join(f for f, on in isa.items() if not on)
+    return f"{present}; no {absent}" if absent else present
+
+
+def _threads(machine: Mapping[str, Any]) -> str:
+    values = sorted({t for by_key in machine["stage_threads"].values() for t in by_key.values() if t is not None})
+    stages = f"stages ran with {', '.join(map(str, values))} torch thread(s)" if values else "stage threads not recorded"
+    return f"{stages} (report: {machine['report_torch_threads']})"
+
+
+def provenance_line(summary: pd.DataFrame, machine: Mapping[str, Any], command: str) -> str:
+    """What made the numbers: seeds, machine, threads, date, commit, command."""
+    seeds = ", ".join(str(s) for s in sorted({int(s) for s in summary["seed"].dropna()})) or "not recorded"
+    replicated = summary.groupby("group")["seed"].nunique().max() > 1
+    spread = "mean ± std (sample std) over the seeds of each variant group, " if replicated else ""
+    sha, dirty, _ = (machine["git_commit"] or "unknown").partition("-dirty")
+    return (f"*{spread}seeds {seeds}; {machine['cpu_model']} ({machine['arch']}, {_flags(machine['isa'])}), "
+            f"{machine['cpus_usable']} CPUs, {_threads(machine)}; report of {machine['date']}, "
+            f"commit {sha[:12]}{dirty}, torch {machine['torch']}; made by `{command}`.*")
+
+
+def read_machine(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; rerun the report stage (it writes machine.json)") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def replace_block(text: str, block: str, where: str) -> str:
+    """`text` with what lies between the BEGIN and END markers replaced by `block`."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < 0 or end < begin:
+        raise ValueError(f"{where}: needs the markers {BEGIN} and {END}, in that order, around the results table")
+    return f"{text[:begin + len(BEGIN)]}\n{block}\n{text[end:]}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("report", type=Path, help="the report stage's directory (results/report)")
+    parser.add_argument("--update", type=Path, metavar="FILE", help="write the table between FILE's results markers")
+    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "-m", "posttrain.evaluation.readme_table", *words])
+    summary = read_summary(args.report / "summary.tsv")
+    machine = read_machine(args.report / "machine.json")
+    block = f"{markdown_table(summary)}\n\n{provenance_line(summary, machine, command)}"
+    print(block)
+    if args.update:
+        try:
+            text = args.update.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SystemExit(f"--update {args.update}: no such file") from None
+        try:
+            args.update.write_text(replace_block(text, block, str(args.update)), encoding="utf-8")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+
+
+if __name__ == "__main__":
+    main()
