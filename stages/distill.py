@@ -13,8 +13,8 @@ stops the stage naming both sides.
 
 Loss (`posttrain.losses.kd_loss`): `(1 - ce_weight) * D + ce_weight * CE` with D the `distill.loss`
 divergence (forward_kl | reverse_kl | jsd with `jsd_beta`) at `distill.temperature` and CE the
-student's cross-entropy against the reference responses (off-policy data only: on-policy the loss
-is D alone, as in GKD, since CE on the student's own samples would reinforce them), over the
+student's cross-entropy against the responses (the SFT split's, or the teacher's samples; on-policy
+the loss is D alone, as in GKD, since CE on the student's own samples would reinforce them), over the
 trained tokens, chunk by chunk from both models' hidden states and output heads: neither model's
 [batch, seq, vocab] logits exist (`memory.chunked_ce: false` computes them whole, for comparison).
 Like SFT, the summed loss of a step is divided by the step's trained-token count (all
@@ -27,6 +27,10 @@ Data (`distill.data`):
   Every `distill.on_policy_every` steps the student's current weights sample the prompts of the
   next `on_policy_every` steps in one batch: 1 is strictly on-policy; larger values trade
   freshness for fewer, larger generation calls. Pending completions are part of the resume state.
+- teacher_samples: completions the teacher samples the same way for the `prompts` split, which
+  has no reference responses: what the teacher learned beyond the labelled split (from preference
+  pairs, from rewards) reaches the student on unlabelled prompts. CE (weight `ce_weight`) is then
+  on the teacher's sampled tokens: sequence-level KD (Kim & Rush 2016) beside the token divergence.
 
 At the end, greedy accuracy on the first `distill.eval_prompts` rows of the `eval` split is measured
 for teacher and student (the first of `reward.verifiers` when the resolved config has them, else
@@ -261,8 +265,9 @@ def completion_batch(prompts: list[list[int]], completions: list[list[int]], max
     return batch
 
 
-class OnPolicyBatches:
-    """Micro-batches of student completions for the `prompts` split (GKD), sampled `steps_ahead` micro-batches at a time.
+class SampledBatches:
+    """Micro-batches of completions sampled for the `prompts` split (by the student for GKD, by the
+    teacher for `teacher_samples`), `steps_ahead` micro-batches at a time.
 
     `refill(sampler, seed)` samples the prompts of the next `steps_ahead` micro-batches in one
     generation call; `next()` hands them out in order. The state (prompt position and the pending
@@ -376,6 +381,7 @@ def main() -> None:
     distill, memory = cfg["distill"], cfg["memory"]
     steps, accum = int(distill["steps"]), int(distill["grad_accum"])
     on_policy = distill["data"] == "on_policy"
+    sampled = on_policy or distill["data"] == "teacher_samples"
     # Cross-entropy needs reference labels: on the student's own samples it would only reinforce them.
     ce_weight = 0.0 if on_policy else float(distill["ce_weight"])
     verifier = cfg.get("reward", {}).get("verifiers", ["task"])[0]
@@ -398,10 +404,10 @@ def main() -> None:
 
     micro = micro_batch_size(distill, dp_size)
     multiple = length_multiple(bool(memory["compile"]), cfg["parallel"]["tp"])
-    if on_policy:
+    if sampled:
         every = int(distill["on_policy_every"])
         prompts = prompt_batches(args.data, micro, seed=cfg["seed"], rank=dp_rank, world_size=dp_size)
-        train: Batches | OnPolicyBatches = OnPolicyBatches(
+        train: Batches | SampledBatches = SampledBatches(
             prompts, every * accum, int(distill["max_new_tokens"]), int(cfg["data"]["max_seq_len"]), tokenizer
         )
     else:
@@ -447,8 +453,10 @@ def main() -> None:
             t0 = time.perf_counter()
             reset_peak_memory(info.device)
             generated = None
-            if on_policy and train.empty():
-                sampler = sampling_model(student, mesh, sampler)
+            if sampled and train.empty():
+                # The frozen teacher's sampling copy is made once; the student's follows its weights.
+                if on_policy or sampler is None:
+                    sampler = sampling_model(student if on_policy else teacher, mesh, sampler)
                 generated = train.refill(sampler, seed=int(cfg["seed"]) + step)
             batches = [to_device(next(train), info.device) for _ in range(accum)]
             loss_tokens, useful_tokens = data_parallel_sum(

@@ -51,12 +51,13 @@ def env_for(threads: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
-def prepare_data(tmp: Path, data: dict[str, Any] | None = None, seed: int | None = None) -> Path:
-    cfg = resolved_config("prepare_data", "test-data", data={**SMALL_DATA, **(data or {})})
+def prepare_data(tmp: Path, data: dict[str, Any] | None = None, seed: int | None = None,
+                 model: dict[str, Any] | None = None, name: str = "data") -> Path:
+    cfg = resolved_config("prepare_data", "test-data", data={**SMALL_DATA, **(data or {})}, model=model or {})
     if seed is not None:
         cfg["seed"] = seed
-    out = tmp / "data"
-    subprocess.run([sys.executable, str(PREPARE_SCRIPT), "--config", str(write_config(cfg, tmp / "data.json")),
+    out = tmp / name
+    subprocess.run([sys.executable, str(PREPARE_SCRIPT), "--config", str(write_config(cfg, tmp / f"{name}.json")),
                     "--out", str(out)], check=True, capture_output=True, env=env_for(), cwd=ROOT)
     return out
 

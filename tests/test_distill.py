@@ -191,6 +191,24 @@ def test_on_policy_resume_after_sigkill_matches_uninterrupted(on_policy_run, dat
 
 
 @pytest.mark.slow
+def test_teacher_samples_train_on_the_teachers_completions_and_resume(on_policy_run, data_dir, teacher_dir, tmp_path):
+    """distill.data: teacher_samples: the frozen teacher samples the prompts split; killed after the step-3
+    checkpoint with step 4's completions pending, the rerun ends with the uninterrupted run's weights."""
+    cfg = distill_config("teacher-samples", {**ON_POLICY, "data": "teacher_samples"})
+    run_distill(cfg, data_dir, teacher_dir, tmp_path / "whole")
+    steps = [r for r in metrics(tmp_path / "whole") if "loss" in r]
+    assert [r["step"] for r in steps if "generated_tokens" in r] == [1, 3]
+    # Same prompts and seeds as the on-policy run, other completions: the teacher's, not the student's.
+    assert train_losses(metrics(tmp_path / "whole")) != train_losses(metrics(on_policy_run))
+    out = tmp_path / "distill"
+    killed = run_distill(cfg, data_dir, teacher_dir, out, check=False, **{KILL_AT_STEP_ENV: "3"})
+    assert killed.returncode != 0 and (resume_dir(out) / "step-00000003").is_dir()
+    run_distill(cfg, data_dir, teacher_dir, out)
+    resumed, whole = weights(out), weights(tmp_path / "whole")
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,distill,parallel", [
     ("tp", ON_POLICY, {"tp": 2}),  # vocabulary-sharded heads; sampling from the gathered student
@@ -218,6 +236,10 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
 LEARN_DATA = resolved_config("prepare_data", "learn")["data"]
 LEARN_SEED = resolved_config("prepare_data", "learn")["seed"]
 NO_CHECKPOINTS = {"checkpoint_every": 1000}
+SCARCE_DATA = {"n_sft": 40, "n_preference": 8, "n_prompts": 400}  # few labels, many unlabelled prompts
+MIN_TEACHER_ACCURACY = 0.5
+MAX_KD_SHORTFALL = 0.05
+MIN_KD_GAIN = 0.2
 SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "max_grad_norm")
 
 
@@ -225,29 +247,70 @@ def learn_config(stage: str, key: str, **sections: dict) -> dict:
     return resolved_config(stage, key, data=LEARN_DATA, **sections)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(2400)  # three trainings: ~7 min on 2 idle cores
-def test_kd_student_reaches_teacher_accuracy_and_beats_sft_alone(tmp_path):
-    data = prepare_data(tmp_path, LEARN_DATA, seed=LEARN_SEED)
-    teacher = tmp_path / "teacher"
-    run_sft(learn_config("sft", "teacher", sft=NO_CHECKPOINTS), data, teacher)
+def learning_teacher(tmp: Path, seed: int = LEARN_SEED, threads: int = 1) -> tuple[Path, Path]:
+    """(data, teacher): the default data and a teacher trained by the default SFT section."""
+    data = prepare_data(tmp, LEARN_DATA, seed=seed)
+    teacher = tmp / "teacher"
+    run_sft({**learn_config("sft", "teacher", sft=NO_CHECKPOINTS), "seed": seed}, data, teacher,
+            OMP_NUM_THREADS=str(threads))
+    return data, teacher
 
-    kd_cfg = learn_config("distill", "kd", distill=NO_CHECKPOINTS)
+
+def kd_against_labels(tmp: Path, data: Path, teacher: Path, seed: int, threads: int,
+                      distill: dict | None = None) -> dict[str, float]:
+    """Eval accuracies of the teacher, a KD student (default distill section plus `distill`) and the same
+    student trained by SFT alone on `data`'s labelled split with the same steps, batch and schedule.
+
+    With one thread the two students train side by side (one core each); with more, one after the other.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    kd_cfg = {**learn_config("distill", "kd", distill={**NO_CHECKPOINTS, **(distill or {})}), "seed": seed}
     sft_cfg = learn_config("sft", "sft-student", sft={**{k: kd_cfg["distill"][k] for k in SHARED}, **NO_CHECKPOINTS})
     sft_cfg["model"]["policy"] = kd_cfg["model"]["student"]
-    with ThreadPoolExecutor(2) as pool:  # one core each
-        kd_run = pool.submit(run_distill, kd_cfg, data, teacher, tmp_path / "kd")
-        sft_run = pool.submit(run_sft, sft_cfg, data, tmp_path / "sft-student", OMP_NUM_THREADS="1")
+    sft_cfg["seed"] = seed
+    with ThreadPoolExecutor(2 if threads == 1 else 1) as pool:
+        kd_run = pool.submit(run_distill, kd_cfg, data, teacher, tmp / "kd", OMP_NUM_THREADS=str(threads))
+        sft_run = pool.submit(run_sft, sft_cfg, data, tmp / "sft-student", OMP_NUM_THREADS=str(threads))
         kd_run.result(), sft_run.result()
-
-    summary = json.loads((tmp_path / "kd" / "posttrain.json").read_text())["metrics"]
-    assert summary["student_params"] * 4 <= summary["teacher_params"]
+    summary = json.loads((tmp / "kd" / "posttrain.json").read_text())["metrics"]
     tok = Tokenizer(data / "tokenizer")
     prompts, examples = STAGE.first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
-    sft_only = STAGE.greedy_accuracy(load_hf_model(tmp_path / "sft-student"), prompts, examples, tok, "task",
-                                     kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
-    print(f"teacher {summary['teacher_accuracy']:.3f}, KD student {summary['student_accuracy']:.3f}, "
-          f"SFT-only student {sft_only:.3f}")
-    assert summary["teacher_accuracy"] >= 0.5  # a teacher worth distilling
-    assert summary["student_accuracy"] >= 0.9 * summary["teacher_accuracy"]
-    assert summary["student_accuracy"] >= sft_only - 0.05
+    labels_only = STAGE.greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
+                                        kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
+    return {"teacher": summary["teacher_accuracy"], "kd": summary["student_accuracy"], "labels_only": labels_only,
+            "size_ratio": summary["teacher_params"] / summary["student_params"]}
+
+
+def kd_on_unlabelled_prompts(tmp: Path, data: Path, teacher: Path, seed: int, threads: int) -> dict[str, float]:
+    """The teacher's samples for SCARCE_DATA's unlabelled prompts (distill.data: teacher_samples) against
+    labels alone on its few labelled rows: the data, with the teacher's tokenizer, prepared under `tmp`."""
+    scarce = prepare_data(tmp, {**LEARN_DATA, **SCARCE_DATA}, seed=seed, model={"tokenizer": str(data / "tokenizer")},
+                          name="scarce")
+    return kd_against_labels(tmp / "scarce-runs", scarce, teacher, seed, threads, {"data": "teacher_samples"})
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory) -> tuple[Path, Path]:
+    return learning_teacher(tmp_path_factory.mktemp("kd-learn"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three trainings: ~4 min on 2 idle cores
+def test_kd_student_reaches_its_teacher(learned, tmp_path):
+    data, teacher = learned
+    result = kd_against_labels(tmp_path, data, teacher, LEARN_SEED, threads=1)
+    print(result)
+    assert result["size_ratio"] >= 4
+    assert result["teacher"] >= MIN_TEACHER_ACCURACY  # a teacher worth distilling
+    assert result["kd"] >= 0.9 * result["teacher"]
+    assert result["kd"] >= result["labels_only"] - MAX_KD_SHORTFALL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_kd_on_unlabelled_prompts_beats_labels_alone(learned, tmp_path):
+    data, teacher = learned
+    result = kd_on_unlabelled_prompts(tmp_path, data, teacher, LEARN_SEED, threads=1)
+    print(result)
+    assert result["kd"] >= result["labels_only"] + MIN_KD_GAIN
+    assert result["kd"] >= 0.9 * result["teacher"]

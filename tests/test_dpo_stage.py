@@ -32,7 +32,7 @@ POLICY = {"policy": "tiny-student"}  # the small preset keeps SFT + DPO to secon
 DATA = {"tasks": [{"name": "arithmetic", "ops": ["add", "sub", "mul"], "digits": 2},
                   {"name": "sort", "length": 3, "max_value": 9}],
         "n_sft": 1200, "n_preference": 400, "n_prompts": 8, "n_eval": 100, "max_seq_len": 64}
-SFT = {"steps": 300, "batch_size": 16, "lr": 5e-3, "warmup_steps": 5, "checkpoint_every": 1000, "log_every": 50}
+SFT = {"steps": 300, "batch_size": 16, "lr": 2e-3, "warmup_steps": 5, "checkpoint_every": 1000, "log_every": 50}
 DPO = {"steps": 60, "batch_size": 16, "lr": 5e-5, "beta": 0.5, "warmup_steps": 2, "checkpoint_every": 1000,
        "log_every": 20}
 SHORT = {**DPO, "steps": 3, "batch_size": 8, "lr": 1e-3, "checkpoint_every": 1}  # the comparison runs
@@ -121,15 +121,20 @@ def test_dpo_learns_held_out_preferences_without_collapse(sft, tmp_path):
 
     s = summary(out)
     assert s["pref_pairs"] == 100 and s["reference"] == "precompute"
+    # Margins from `python benchmarks/learning_spread.py dpo` (seeds 1234, 1, 2 x 1 and 2 threads, AMD
+    # EPYC with AVX-512, 2026-12-01): pref_acc 0.74-0.79, likelihood_acc minus the SFT model's -0.00 to
+    # +0.02, SFT greedy accuracy 0.34-0.42, DPO / SFT accuracy 0.91-1.00, format 0.99-1.00. (The SFT
+    # lr was 5e-3 before: one seed in three then sat on the plateau, 0.07 accuracy, and on a Xeon
+    # DPO kept 0.74 of it.) One and two threads gave identical runs on that machine.
     # The SFT model's implicit reward (beta * log pi/pi_ref with pi = pi_ref) is 0 on every pair: no better
     # than chance. After DPO it ranks the held-out pairs (never trained on) well above chance ...
-    assert s["pref_acc"] >= 0.7
+    assert s["pref_acc"] >= 0.65
     # ... and the model's own likelihood ranking of them is not worse than the SFT model's.
-    assert s["likelihood_acc"] >= s["likelihood_acc_sft"] - 0.03
+    assert s["likelihood_acc"] >= s["likelihood_acc_sft"] - 0.04
     assert records[0] == {"step": 0, "eval/likelihood_acc": s["likelihood_acc_sft"]}
 
     before, after = greedy_scores(sft_dir, data), greedy_scores(out, data)
-    assert before["format"] >= 0.9 and before["accuracy"] >= 0.3, before  # the SFT model solves the sorting
+    assert before["format"] >= 0.9 and before["accuracy"] >= 0.25, before  # the SFT model solves the sorting
     assert after["format"] >= before["format"] - 0.1, (before, after)  # DPO keeps the answer form ...
     assert after["accuracy"] >= 0.75 * before["accuracy"], (before, after)  # ... and most of the accuracy
 

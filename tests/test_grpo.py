@@ -1,6 +1,6 @@
-"""The GRPO stage end to end on CPU: it raises held-out accuracy (sync, native sampler), async GRPO with
-Ray keeps every batch within the staleness bound and learns like sync, a killed run resumes bitwise,
-tensor parallelism matches one process."""
+"""The GRPO stage end to end on CPU: it raises its sampled reward and keeps held-out accuracy (sync,
+native sampler), async GRPO with Ray keeps every batch within the staleness bound and learns like sync,
+a killed run resumes bitwise, tensor parallelism matches one process."""
 
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, star
 from sft_testing import ROOT, weights
 from posttrain.training.resume import resume_dir
 
-# The test budget: the default grpo section (steps, prompts, group size, lr, ...) with a smaller eval.
-EVAL = {"eval_prompts": 100}
-MIN_GAIN = 0.10
+# The test budget: the default grpo section (steps, prompts, group size, ...) with a smaller eval, at the
+# lr for a partly solved starting policy (the default, 1e-4, is set for the pipeline's near-solved one).
+LEARN = {"eval_prompts": 100, "lr": 3e-4}
+# Margins from `python benchmarks/learning_spread.py grpo` (seeds 1234, 1, 2 x 1 and 2 threads, AMD EPYC
+# with AVX-512, 2026-12-01): mean sampled reward over the last WINDOW steps minus the first 0.106-0.129;
+# held-out greedy accuracy +0.04 to +0.18 (100 prompts; the old claim, >= +0.10, failed on a Xeon at +0.07).
+WINDOW = 15  # steps
+MIN_REWARD_GAIN = 0.05
+MAX_ACCURACY_DROP = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +32,24 @@ def policy(tmp_path_factory):
 def sync_run(policy, tmp_path_factory):
     data, model = policy
     out = tmp_path_factory.mktemp("grpo-sync") / "grpo"
-    run_grpo(grpo_config("sync", **EVAL), data, model, out)
+    run_grpo(grpo_config("sync", **LEARN), data, model, out)
     return out
+
+
+def reward_rise(records: list[dict]) -> dict[str, float]:
+    """Mean sampled reward over the first and the last WINDOW steps: GRPO's objective, measured on
+    WINDOW x 128 samples each, far less noisy than greedy accuracy on 100 prompts."""
+    rewards = [r["reward_mean"] for r in records]
+    return {"reward_first": sum(rewards[:WINDOW]) / WINDOW, "reward_last": sum(rewards[-WINDOW:]) / WINDOW}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # includes the module's starting SFT (~3 min) and the sync run
-def test_sync_grpo_raises_held_out_accuracy(sync_run):
-    result = summary(sync_run)
-    assert result["eval_accuracy_after"] - result["eval_accuracy_before"] >= MIN_GAIN, result
-    records = step_records(sync_run)
+def test_sync_grpo_raises_its_sampled_reward_and_keeps_held_out_accuracy(sync_run):
+    result, records = summary(sync_run), step_records(sync_run)
+    rise = reward_rise(records)
+    assert rise["reward_last"] - rise["reward_first"] >= MIN_REWARD_GAIN, rise
+    assert result["eval_accuracy_after"] >= result["eval_accuracy_before"] - MAX_ACCURACY_DROP, result
     assert len(records) == result["steps"]
     keys = {"reward_mean", "reward_std", "pass_rate", "entropy", "clip_frac", "response_len", "policy_version",
             "generator_version", "staleness", "samples_per_s", "trainer_idle_frac", "logprob_gap_max"}
@@ -53,7 +67,7 @@ def test_async_grpo_with_ray_stays_within_the_staleness_bound_and_learns_like_sy
         pytest.skip("ray is not installed (pip install posttrain[ray])")
     data, model = policy
     out = tmp_path / "grpo"
-    run_grpo(grpo_config("async", mode="async", generators=2, max_staleness=1, **EVAL), data, model, out)
+    run_grpo(grpo_config("async", mode="async", generators=2, max_staleness=1, **LEARN), data, model, out)
     records, result = step_records(out), summary(out)
     sync_records, sync_result = step_records(sync_run), summary(sync_run)
     assert len(records) == len(sync_records)
@@ -65,7 +79,9 @@ def test_async_grpo_with_ray_stays_within_the_staleness_bound_and_learns_like_sy
     reward = sum(r["reward_mean"] for r in records[half:]) / (len(records) - half)
     sync_reward = sum(r["reward_mean"] for r in sync_records[half:]) / (len(sync_records) - half)
     assert abs(reward - sync_reward) <= 0.1, (reward, sync_reward)
-    assert result["eval_accuracy_after"] - result["eval_accuracy_before"] >= MIN_GAIN / 2, result
+    rise = reward_rise(records)
+    assert rise["reward_last"] - rise["reward_first"] >= MIN_REWARD_GAIN, rise
+    assert result["eval_accuracy_after"] >= result["eval_accuracy_before"] - MAX_ACCURACY_DROP, result
     assert abs(result["eval_accuracy_after"] - sync_result["eval_accuracy_after"]) <= 0.12
 
 

@@ -14,7 +14,6 @@ date, the commit and this command, since float rounding and so the numbers depen
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -26,6 +25,7 @@ import pandas as pd
 
 from posttrain.evaluation.effects import effects_table
 from posttrain.evaluation.summary import pass_columns, read_summary
+from posttrain.utils.io import read_json
 from posttrain.workflow.plan import pipeline_order
 
 BEGIN = "<!-- results:begin -->"
@@ -111,12 +111,7 @@ def provenance_line(summary: pd.DataFrame, machine: Mapping[str, Any], command: 
 
 
 def read_machine(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; rerun the report stage (it writes machine.json)") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    return read_json(path, "rerun the report stage (it writes machine.json)")
 
 
 def replace_block(text: str, block: str, where: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import pandas as pd
 
+from posttrain.utils.io import read_json
 from posttrain.utils.provenance import read_provenance
 from posttrain.workflow.plan import pipeline_order
 
@@ -64,13 +65,7 @@ def stage_records(folder: str | Path) -> list[dict[str, Any]]:
 
 
 def _eval_metrics(folder: Path) -> dict[str, Any]:
-    path = folder / "metrics.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; run the evaluate stage for this model first") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    return read_json(folder / "metrics.json", "run the evaluate stage for this model first")
 
 
 def _last(records: Sequence[Mapping[str, Any]], field: str) -> Any:
