@@ -225,21 +225,22 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
     assert train_losses(metrics(out)) == pytest.approx(expected, rel=1e-5)
 
 
-# The learning test on the default task, as issue 9 states it: config.yaml's data section (sort and
-# reverse), a teacher trained by the default SFT section, the default distill section (400 steps),
-# and the same student trained by SFT alone with the distill section's steps, batch and schedule.
-# Measured (100 eval prompts, seed 1234): teacher 0.650, KD student 0.970, SFT-only student 0.980.
-# The student passes its teacher either way: on this task the labels alone teach it, so the KD
-# student is held to "not worse than SFT alone" beyond two standard errors of the eval (0.05), not
-# to beating it. On the earlier arithmetic + sort setting (70 prompts) KD beat SFT alone in 3 of 7
-# runs, within that eval's spread as well.
+# The learning tests on the default task: config.yaml's data section, a teacher trained by the default
+# SFT section, the default distill section (400 steps), and the same student trained by SFT alone with
+# the distill section's steps, batch and schedule. Margins from `python benchmarks/learning_spread.py kd
+# --threads 1` (seeds 1234, 1, 2; AMD EPYC with AVX-512, 2026-12-01; one and two threads gave identical
+# runs of every stage on that machine):
+# - on the 800 labelled rows: teacher 0.73-0.89, KD student / teacher 0.97-1.25, KD minus labels alone
+#   -0.03 to +0.13: the labels alone teach this student, so KD is held to "not worse", not to beating it;
+# - on 40 labelled rows plus 400 unlabelled prompts that the teacher answers (distill.data:
+#   teacher_samples): KD student 0.60-0.82, labels alone 0.06-0.14 (gain 0.54-0.72), KD / teacher 0.82-0.92.
 LEARN_DATA = resolved_config("prepare_data", "learn")["data"]
 LEARN_SEED = resolved_config("prepare_data", "learn")["seed"]
 NO_CHECKPOINTS = {"checkpoint_every": 1000}
 SCARCE_DATA = {"n_sft": 40, "n_preference": 8, "n_prompts": 400}  # few labels, many unlabelled prompts
 MIN_TEACHER_ACCURACY = 0.5
-MAX_KD_SHORTFALL = 0.05
-MIN_KD_GAIN = 0.2
+MAX_KD_SHORTFALL = 0.06
+MIN_KD_GAIN = 0.3
 SHARED = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "max_grad_norm")
 
 
@@ -284,6 +285,7 @@ def kd_against_labels(tmp: Path, data: Path, teacher: Path, seed: int, threads: 
 def kd_on_unlabelled_prompts(tmp: Path, data: Path, teacher: Path, seed: int, threads: int) -> dict[str, float]:
     """The teacher's samples for SCARCE_DATA's unlabelled prompts (distill.data: teacher_samples) against
     labels alone on its few labelled rows: the data, with the teacher's tokenizer, prepared under `tmp`."""
+    tmp.mkdir(parents=True, exist_ok=True)
     scarce = prepare_data(tmp, {**LEARN_DATA, **SCARCE_DATA}, seed=seed, model={"tokenizer": str(data / "tokenizer")},
                           name="scarce")
     return kd_against_labels(tmp / "scarce-runs", scarce, teacher, seed, threads, {"data": "teacher_samples"})
@@ -313,4 +315,4 @@ def test_kd_on_unlabelled_prompts_beats_labels_alone(learned, tmp_path):
     result = kd_on_unlabelled_prompts(tmp_path, data, teacher, LEARN_SEED, threads=1)
     print(result)
     assert result["kd"] >= result["labels_only"] + MIN_KD_GAIN
-    assert result["kd"] >= 0.9 * result["teacher"]
+    assert result["kd"] >= 0.75 * result["teacher"]
