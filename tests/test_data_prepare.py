@@ -86,12 +86,13 @@ def test_default_output_stats_match_the_files(default_data: Path) -> None:
     assert stats["tokenizer"] == {"vocab_size": tok.vocab_size, "pad_id": tok.pad_id, "eos_ids": tok.eos_ids}
     sizes = _config()["data"]
     sft = stats["splits"]["sft"]
-    assert sft["packing_efficiency"] >= 0.95
     assert sft["documents"] + stats["splits"]["sft_eval"]["documents"] == sizes["n_sft"]
     columns = load_split(default_data, "sft")[:]
     ids, labels = columns["input_ids"], columns["labels"]
     assert ids.shape == (sft["rows"], sizes["max_seq_len"])
     assert (ids != tok.pad_id).sum() == sft["tokens"]
+    # One ~35-token document a row at the default 60 positions (training batches are repacked padding-free).
+    assert sft["packing_efficiency"] == pytest.approx(sft["tokens"] / ids.size, abs=1e-6)
     assert (labels != IGNORE_INDEX).sum() == sft["loss_tokens"]
     pref = load_split(default_data, "preference")
     assert len(pref) == stats["splits"]["preference"]["rows"] == sizes["n_preference"]
