@@ -23,8 +23,8 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.evaluation.effects import effects_table
-from posttrain.evaluation.summary import pass_columns, read_summary
+from posttrain.evaluation.effects import effect_metrics, effects_table
+from posttrain.evaluation.summary import read_summary
 from posttrain.utils.io import read_json
 from posttrain.workflow.plan import pipeline_order
 
@@ -35,7 +35,8 @@ CHANGE = "change from previous stage"
 
 
 def table_metrics(summary: pd.DataFrame) -> list[str]:
-    return ["accuracy", *pass_columns(summary.columns), "nll", "pref_acc"]
+    """The report's eval metrics but `reward`, which repeats greedy accuracy under the task verifier."""
+    return [m for m in effect_metrics(summary.columns) if m != "reward"]
 
 
 def _value(mean: float, std: float, n: int, signed: bool = False) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from posttrain.utils.io import PROVENANCE_FILE
+from posttrain.utils.io import PROVENANCE_FILE, read_json
 
 
 def git_commit(repo: Path | None = None) -> str | None:
@@ -60,9 +60,4 @@ def write_provenance(out_dir: str | Path, cfg: dict[str, Any], stage: str, start
 def read_provenance(folder: str | Path) -> dict[str, Any]:
     """A stage output's `posttrain.json`, or {} when it has none; a corrupt file is an error naming it."""
     path = Path(folder) / PROVENANCE_FILE
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    return read_json(path, "not a stage output") if path.is_file() else {}
