@@ -30,13 +30,10 @@ def with_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
 def dpo_run(tmp: Path, seed: int, threads: int) -> dict[str, Any]:
     import test_dpo_stage as t
 
-    data = t.prepare_data(tmp, t.DATA, seed=seed)
-    cfg = t.resolved_config("sft", "dpo-test-sft", data=t.DATA, sft=t.SFT, model=t.POLICY)
-    t.run_sft(with_seed(cfg, seed), data, tmp / "sft", OMP_NUM_THREADS=str(threads))
-    t.run_dpo(with_seed(t.dpo_config("dpo-e2e", **t.DPO), seed), data, tmp / "sft", tmp / "dpo",
-              OMP_NUM_THREADS=str(threads))
+    data, sft = t.sft_policy(tmp, seed, threads)
+    t.run_dpo(with_seed(t.dpo_config("dpo-e2e", **t.DPO), seed), data, sft, tmp / "dpo", OMP_NUM_THREADS=str(threads))
     s = t.summary(tmp / "dpo")
-    before, after = t.greedy_scores(tmp / "sft", data), t.greedy_scores(tmp / "dpo", data)
+    before, after = t.greedy_scores(sft, data), t.greedy_scores(tmp / "dpo", data)
     return {"pref_acc": s["pref_acc"], "likelihood_acc": s["likelihood_acc"], "likelihood_acc_sft": s["likelihood_acc_sft"],
             "accuracy_sft": before["accuracy"], "accuracy_dpo": after["accuracy"],
             "format_sft": before["format"], "format_dpo": after["format"]}
@@ -46,10 +43,8 @@ def grpo_run(tmp: Path, seed: int, threads: int) -> dict[str, Any]:
     import grpo_testing as g
     import test_grpo as t
 
-    data = g.prepare_data(tmp, g.TASK_DATA, seed=seed)
-    cfg = g.resolved_config("sft", "grpo-start", data=g.TASK_DATA, sft=g.STARTING_SFT)
-    g.run_sft(with_seed(cfg, seed), data, tmp / "sft", OMP_NUM_THREADS=str(threads))
-    g.run_grpo(with_seed(g.grpo_config("sync", **t.LEARN), seed), data, tmp / "sft", tmp / "grpo", threads=threads)
+    data, sft = g.starting_policy(tmp, seed, threads)
+    g.run_grpo(with_seed(g.grpo_config("sync", **t.LEARN), seed), data, sft, tmp / "grpo", threads=threads)
     s, records = g.summary(tmp / "grpo"), g.step_records(tmp / "grpo")
     return {"accuracy_before": s["eval_accuracy_before"], "accuracy_after": s["eval_accuracy_after"],
             **t.reward_rise(records)}

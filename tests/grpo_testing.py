@@ -27,12 +27,16 @@ STARTING_SFT = {"steps": 300, "batch_size": 16, "lr": 3.0e-3, "warmup_steps": 5,
                 "checkpoint_every": 1000, "log_every": 20}
 
 
-def starting_policy(tmp: Path) -> tuple[Path, Path]:
-    """(data folder, SFT model folder): the tiny preset briefly fine-tuned on the task data."""
-    data = prepare_data(tmp, TASK_DATA)
+def starting_policy(tmp: Path, seed: int | None = None, threads: int = 1) -> tuple[Path, Path]:
+    """(data folder, SFT model folder): the tiny preset briefly fine-tuned on the task data (the
+    config's seed unless `seed` is given)."""
+    data = prepare_data(tmp, TASK_DATA, seed=seed)
     out = tmp / "sft"
-    # One torch thread: the same as the GRPO runs, and far faster than two on a loaded machine.
-    run_sft(resolved_config("sft", "grpo-start", data=TASK_DATA, sft=STARTING_SFT), data, out, OMP_NUM_THREADS="1")
+    cfg = resolved_config("sft", "grpo-start", data=TASK_DATA, sft=STARTING_SFT)
+    if seed is not None:
+        cfg["seed"] = seed
+    # One torch thread by default: the same as the GRPO runs, and far faster than two on a loaded machine.
+    run_sft(cfg, data, out, OMP_NUM_THREADS=str(threads))
     return data, out
 
 

@@ -42,11 +42,17 @@ STEP_KEYS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory) -> tuple[Path, Path]:
-    """(data dir, SFT model dir): the default tasks, a tiny model trained for a few seconds."""
-    tmp = tmp_path_factory.mktemp("dpo-stage")
-    data = prepare_data(tmp, DATA)
-    run_sft(resolved_config("sft", "dpo-test-sft", data=DATA, sft=SFT, model=POLICY), data, tmp / "sft",
-            OMP_NUM_THREADS="1")
+    return sft_policy(tmp_path_factory.mktemp("dpo-stage"))
+
+
+def sft_policy(tmp: Path, seed: int | None = None, threads: int = 1) -> tuple[Path, Path]:
+    """(data dir, SFT model dir): the default tasks, a tiny model trained for a few seconds (the
+    config's seed unless `seed` is given)."""
+    data = prepare_data(tmp, DATA, seed=seed)
+    cfg = resolved_config("sft", "dpo-test-sft", data=DATA, sft=SFT, model=POLICY)
+    if seed is not None:
+        cfg["seed"] = seed
+    run_sft(cfg, data, tmp / "sft", OMP_NUM_THREADS=str(threads))
     return data, tmp / "sft"
 
 
