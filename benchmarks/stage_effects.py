@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
+from safetensors.torch import load_file
 
-from posttrain.evaluation.readme_table import provenance_line, read_machine
+from posttrain.evaluation.readme_table import machine_description, read_machine
 from posttrain.evaluation.summary import read_summary
 from posttrain.workflow.plan import MODEL_STAGES, STAGE_DIRS
 
@@ -44,9 +46,18 @@ def run_threads(machine: Mapping) -> str:
     return ",".join(map(str, values)) or "?"
 
 
-def model_sha(report: Path, stage: str, key: str) -> str:
-    weights = report.parent / STAGE_DIRS[stage] / key / "model.safetensors"
-    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else "missing"
+def model_path(report: Path, stage: str, key: str) -> Path:
+    return report.parent / STAGE_DIRS[stage] / key / "model.safetensors"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def max_abs_difference(paths: Sequence[Path]) -> float:
+    """The largest elementwise difference between the first model's weights and any other's."""
+    first, *others = (load_file(p) for p in paths)
+    return max((first[name] - other[name]).abs().max().item() for other in others for name in first)
 
 
 def runs(reports: Sequence[Path]) -> pd.DataFrame:
@@ -61,19 +72,27 @@ def runs(reports: Sequence[Path]) -> pd.DataFrame:
                 holds = CLAIMS[stage][1](stages) if stage in CLAIMS else None
                 rows.append({"threads": threads, "seed": int(row["seed"]), "variant": variant, "stage": stage,
                              **{c: row.get(c) for c in COLUMNS}, "claim": holds,
-                             "key": row["key"], "sha": model_sha(report, stage, row["key"])})
+                             "key": row["key"], "weights": model_path(report, stage, row["key"])})
     # a model shared by variants (a common pipeline prefix) is one run, not one per variant
-    return pd.DataFrame(rows).drop_duplicates(["threads", "stage", "key"])
+    table = pd.DataFrame(rows).drop_duplicates(["threads", "stage", "key"])
+    return table.assign(sha=table["weights"].map(sha256))
 
 
-def bitwise_line(table: pd.DataFrame) -> str:
-    """Per seed and stage: do all thread counts agree on the weights?"""
+def bitwise_lines(table: pd.DataFrame) -> list[str]:
+    """Per stage: do the thread counts agree on every seed's weights, and by how much they differ if not."""
     if table["threads"].nunique() < 2:
-        return "one thread count only: no bitwise comparison"
-    same = table.groupby(["variant", "stage"])["sha"].agg(lambda shas: shas.nunique() == 1 and "missing" not in set(shas))
-    differ = [f"{v}/{s}" for (v, s), ok in same.items() if not ok]
-    return (f"weights bitwise identical across thread counts for all {len(same)} (variant, stage) models"
-            if not differ else f"weights differ across thread counts for {len(differ)} of {len(same)}: {', '.join(differ)}")
+        return ["one thread count only: no comparison of weights across thread counts"]
+    lines = []
+    for stage, runs_of_stage in table.groupby("stage", sort=False):
+        models = runs_of_stage.groupby("variant", sort=False)
+        if (runs_of_stage["sha"] == "missing").any():
+            lines.append(f"{stage}: weights missing, not compared")
+        elif (models["sha"].nunique() == 1).all():
+            lines.append(f"{stage}: weights bitwise identical across thread counts in all {models.ngroups} variants")
+        else:
+            worst = max(max_abs_difference(list(group["weights"])) for _, group in models)
+            lines.append(f"{stage}: weights differ across thread counts (largest elementwise difference {worst:.2g})")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,18 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", type=Path, help="report directories (results/report) of finished sweeps")
     args = parser.parse_args(argv)
     table = runs(args.reports)
-    shown = table.drop(columns=["key", "sha"]).assign(claim=table["claim"].map({True: "holds", False: "FAILS", None: "–"}))
+    shown = table.drop(columns=["key", "weights", "sha"])
+    shown["claim"] = table["claim"].map({True: "holds", False: "FAILS", None: "–"})
     for column in COLUMNS:
         shown[column] = shown[column].map(lambda v: "–" if pd.isna(v) else f"{v:.3f}")
-    print(shown.to_markdown(index=False, tablefmt="pipe", colalign=["right", "right", "left", "left", *["right"] * len(COLUMNS), "left"],
-                            disable_numparse=True))
+    align = ["right", "right", "left", "left", *["right"] * len(COLUMNS), "left"]
+    print(shown.to_markdown(index=False, tablefmt="pipe", colalign=align, disable_numparse=True))
     print()
     for stage, (text, _) in CLAIMS.items():
         outcomes = table.loc[table["stage"] == stage, "claim"]
         print(f"- {stage}: {text}: holds in {int(outcomes.sum())} of {len(outcomes)} runs")
-    print(f"- {bitwise_line(table)}")
-    first = read_summary(args.reports[0] / "summary.tsv")
-    print(f"\n{provenance_line(first, read_machine(args.reports[0] / 'machine.json'), 'python benchmarks/stage_effects.py ' + ' '.join(map(str, args.reports)))}")
+    print("".join(f"- {line}\n" for line in bitwise_lines(table)), end="")
+    print("\nRuns:")
+    for report in args.reports:
+        print(f"- {report}: {machine_description(read_machine(report / 'machine.json'))}")
+    print(f"\nMade by `{shlex.join(['python', 'benchmarks/stage_effects.py', *map(str, args.reports)])}`.")
     return 0 if table["claim"].dropna().all() else 1
 
 

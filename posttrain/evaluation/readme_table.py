@@ -105,10 +105,14 @@ def provenance_line(summary: pd.DataFrame, machine: Mapping[str, Any], command: 
     seeds = ", ".join(str(s) for s in sorted({int(s) for s in summary["seed"].dropna()})) or "not recorded"
     replicated = summary.groupby("group")["seed"].nunique().max() > 1
     spread = "mean ± std (sample std) over the seeds of each variant group, " if replicated else ""
+    return f"*{spread}seeds {seeds}; {machine_description(machine)}; made by `{command}`.*"
+
+
+def machine_description(machine: Mapping[str, Any]) -> str:
+    """CPU model and ISA flags, CPUs, threads, date, commit and torch of a run (its `machine.json`)."""
     sha, dirty, _ = (machine["git_commit"] or "unknown").partition("-dirty")
-    return (f"*{spread}seeds {seeds}; {machine['cpu_model']} ({machine['arch']}, {_flags(machine['isa'])}), "
-            f"{machine['cpus_usable']} CPUs, {_threads(machine)}; report of {machine['date']}, "
-            f"commit {sha[:12]}{dirty}, torch {machine['torch']}; made by `{command}`.*")
+    return (f"{machine['cpu_model']} ({machine['arch']}, {_flags(machine['isa'])}), {machine['cpus_usable']} CPUs, "
+            f"{_threads(machine)}; report of {machine['date']}, commit {sha[:12]}{dirty}, torch {machine['torch']}")
 
 
 def read_machine(path: Path) -> dict[str, Any]:
