@@ -1,10 +1,11 @@
-"""The smoke pipeline on a real one-node Slurm cluster through `profiles/slurm`.
+"""The smoke pipeline on a real one-node Slurm cluster through `snakemake --profile slurm`, by name.
 
 The session fixture installs Debian's `slurmctld slurmd slurm-client munge` when they are missing
 (root on Debian only; otherwise the test is skipped with the reason), starts munged, slurmctld and
 slurmd on 127.0.0.1 from a temporary directory (tests/slurm/), and stops exactly those processes.
 The workflow runs in a temporary copy of the repository, so its results and Snakemake's lock stay
-out of the checkout. Test-only settings go on the command line; profiles/slurm is used as shipped.
+out of the checkout. The `slurm` profile is installed by the documented command into a temporary
+`XDG_CONFIG_HOME`; test-only settings go on the command line, the profile is used as shipped.
 """
 
 from __future__ import annotations
@@ -89,13 +90,18 @@ def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
+def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir, tmp_path):
     smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)))
+    env = {**slurm_cluster.env, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    install = subprocess.run([sys.executable, "-m", "posttrain.workflow.profiles", "install", "slurm"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert install.returncode == 0, install.stderr
     start = time.perf_counter()
-    returncode, output = _snakemake(workdir, slurm_cluster.env, "--profile", "profiles/slurm", *smoke, *TEST_OVERRIDES)
+    returncode, output = _snakemake(workdir, env, "--profile", "slurm", *smoke, *TEST_OVERRIDES)
     seconds = time.perf_counter() - start
     print(f"smoke pipeline on Slurm: {seconds:.0f} s")
     assert returncode == 0, f"{output[-5000:]}\n{_stage_log_tails(workdir)}\n{slurm_cluster.logs()}"
+    assert "Using profiles slurm and workflow specific profile profiles/default" in output
 
     # Every stage's output, found through the variant's manifest, is complete.
     results = workdir / "results" / "smoke"
