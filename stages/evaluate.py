@@ -45,9 +45,9 @@ from posttrain.models import Transformer
 from posttrain.rewards.verifiers import load_verifiers, score
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.io import atomic_dir
-from posttrain.utils.lineage import read_provenance, upstream_folder
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.plan import MODEL_STAGES
+from posttrain.workflow.layout import MODEL_STAGES
+from posttrain.workflow.lineage import read_provenance, upstream_folder
 
 GENERATION_BATCH = 64  # sequences per generate() call
 SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs

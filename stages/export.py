@@ -33,8 +33,8 @@ from posttrain.export.model_card import render_model_card
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.export import DTYPES
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir
-from posttrain.utils.lineage import lineage, read_provenance
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.lineage import lineage, read_provenance
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -76,9 +76,9 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import exit_on_known_errors
 from posttrain.training.setup import build_optimizer_and_scheduler, seed_everything
 from posttrain.utils.io import atomic_dir
-from posttrain.utils.lineage import read_provenance
 from posttrain.utils.metrics import MetricsLogger, progress_bar
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
 GENERATION_BATCH = 64  # sequences per native generate() call

@@ -15,31 +15,20 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.config import SCHEMA_DIR, get_dotted, set_dotted
+from posttrain.workflow.layout import MODEL_STAGES, STAGE_DIRS, pipeline_order
+
+__all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
 
 KEY_VERSION = 1  # bump when the key recipe changes, so old outputs are not reused by mistake
 KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
-
-# Stage (rule and script name) -> directory under results/, in pipeline (DAG) order: the one order
-# the report, its tables and figures follow.
-STAGE_DIRS = {
-    "prepare_data": "data",
-    "sft": "sft",
-    "dpo": "dpo",
-    "reward": "reward",
-    "grpo": "grpo",
-    "distill": "distill",
-    "evaluate": "eval",
-    "export": "export",
-}
-MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, in pipeline order; each is evaluated
 
 _TRAINING = ("seed", "model.policy", "model.tokenizer", "model.dtype", "data", "memory", "parallel")
 # Config keys each stage reads itself (besides what its inputs carry). `<section>.resources` is
@@ -55,16 +44,6 @@ USES: dict[str, tuple[str, ...]] = {
     "export": ("export",),
 }
 RESOURCES_FROM = {"prepare_data": "data", "evaluate": "eval"}  # stage -> section holding its resources
-
-
-def pipeline_order(stages: Iterable[str]) -> list[str]:
-    """`stages` in the order the pipeline runs them (not alphabetical); an unknown stage is an error."""
-    stages = list(stages)
-    unknown = sorted(set(stages) - set(STAGE_DIRS))
-    if unknown:
-        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the pipeline's stages are {', '.join(STAGE_DIRS)}")
-    order = list(STAGE_DIRS)
-    return sorted(stages, key=order.index)
 
 
 def canonical_json(value: Any) -> str:
