@@ -62,7 +62,8 @@ from posttrain.data.packing import build_rows
 from posttrain.evaluation import is_correct
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
-from posttrain.losses import kd_loss, num_loss_tokens
+from posttrain.losses.ce import num_loss_tokens
+from posttrain.losses.kd import kd_loss
 from posttrain.models import Transformer, document_positions, is_preset
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (

@@ -52,7 +52,7 @@ from posttrain.dpo import (
     score_pairs,
 )
 from posttrain.evaluation import eval_pairs
-from posttrain.losses import preference_loss
+from posttrain.losses.dpo import preference_loss
 from posttrain.models.lora import disable_adapters
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed, loss_context

@@ -56,7 +56,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from posttrain.config import load_resolved_config
 from posttrain.data.loader import Batches, prompt_batches, prompt_collate
 from posttrain.data.store import Split
-from posttrain.losses import IGNORE_INDEX, grpo_loss, token_logprobs_and_entropy
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.grpo import grpo_loss
+from posttrain.losses.logprobs import token_logprobs_and_entropy
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (

@@ -60,7 +60,7 @@ from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import load_split
 from posttrain.evaluation.scoring import is_correct
 from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend
-from posttrain.losses import bradley_terry_loss
+from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.rewards import (
     RewardModel,

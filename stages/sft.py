@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.config import load_resolved_config
 from posttrain.data.loader import Batches, length_multiple, sft_batches
-from posttrain.losses import IGNORE_INDEX, full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (
