@@ -5,6 +5,6 @@ The hidden-state losses take the model's final hidden states and its output proj
 rather than logits, with labels aligned to the hidden states (see ``posttrain.losses.logprobs``).
 
 Import from the concrete modules (``chunked``, ``ce``, ``logprobs``, ``dpo``, ``grpo``, ``kd``,
-``bradley_terry``): this file re-exports nothing, so importing one loss module does not import
-(Python runs a package's ``__init__`` first) every other one.
+``bradley_terry``): this file re-exports nothing, so a stage's code fingerprint
+(``posttrain.workflow.fingerprint``) covers the loss modules it uses and not the others.
 """
