@@ -83,6 +83,13 @@ def _memory_overlay(workdir: Path) -> Path:
     return path
 
 
+def _loggers_overlay(workdir: Path) -> Path:
+    """TensorBoard for every training stage: a run setting, so the keys are the smoke config's."""
+    path = workdir / "slurm-test-loggers.yaml"
+    path.write_text("loggers: [tensorboard]\n")
+    return path
+
+
 def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=2200)
@@ -90,7 +97,7 @@ def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str
 
 
 def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
-    smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)))
+    smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)), str(_loggers_overlay(workdir)))
     start = time.perf_counter()
     returncode, output = _snakemake(workdir, slurm_cluster.env, "--profile", "profiles/slurm", *smoke, *TEST_OVERRIDES)
     seconds = time.perf_counter() - start
@@ -106,6 +113,8 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir):
         assert json.loads((folder / "posttrain.json").read_text())["stage"] == stage
     for stage in MODEL_STAGES:
         assert {"model.safetensors", "config.json"} <= {p.name for p in outputs[stage].iterdir()}, stage
+        # `loggers` reached the stage through its run settings file (the smoke reward stage trains no model)
+        assert list((outputs[stage] / "logs" / "tensorboard").glob("events.out.tfevents.*")), stage
     assert sorted(manifest["eval"]) == sorted(MODEL_STAGES)
     assert all((workdir / ref["path"] / "metrics.json").is_file() for ref in manifest["eval"].values())
     assert (workdir / manifest["export"]["path"] / "model.safetensors").is_file()
