@@ -58,9 +58,9 @@ def collect_rows(data: dict[str, Any], seed: int) -> tuple[dict[str, list[dict]]
         unknown = sorted(set(source) - SOURCE_KEYS)
         if unknown:
             raise DataError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(SOURCE_KEYS)}")
-        raw = load_source(str(source["path"]), source.get("split"), source.get("subset"), source.get("revision"))
+        raw = load_source(str(source["path"]), source["split"], source["subset"], source["revision"])
         canonical, n_bad = canonical_rows(
-            raw, source["kind"], str(source["path"]), source.get("columns"), skip_bad=data["on_bad_row"] == "skip"
+            raw, source["kind"], str(source["path"]), source["columns"], skip_bad=data["on_bad_row"] == "skip"
         )
         rows[source["kind"]] += canonical
         bad[source["kind"]] += n_bad
