@@ -32,7 +32,7 @@ class LibrarySFTLoss:
 
     @staticmethod
     def summed_loss(model, batch: dict[str, torch.Tensor], mesh, memory: dict[str, Any]) -> torch.Tensor:
-        from posttrain.losses import linear_cross_entropy
+        from posttrain.losses.ce import linear_cross_entropy
         from posttrain.parallel import uses_tensor_parallel
 
         if uses_tensor_parallel(mesh) or not memory["chunked_ce"]:
@@ -66,7 +66,7 @@ def grpo_step(state: dict[str, Any], prompts: Any, seed: int) -> dict[str, float
 
     Returns the loss, the mean reward and the useful tokens (prompt + completion of every sample).
     """
-    from posttrain.losses import grpo_loss
+    from posttrain.losses.grpo import grpo_loss
     from posttrain.optim import OptimizerInBackward, clip_grad_norm_
     from posttrain.rl.batch import advantages, micro_batches
     from posttrain.rl.weights import policy_weights

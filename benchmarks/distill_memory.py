@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from _memory import peak_memory  # benchmarks/ is on sys.path when run as a script
-from posttrain.losses import IGNORE_INDEX, kd_loss, token_divergence
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.kd import kd_loss, token_divergence
 
 
 def setup(cfg: dict[str, Any], warm_up: bool = True) -> dict[str, Any]:

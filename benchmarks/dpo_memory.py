@@ -149,7 +149,7 @@ def measured_step(state: dict[str, Any]) -> tuple[float, float]:
 
 def train_step(state: dict[str, Any]) -> float:
     from posttrain.dpo import pair_logprobs
-    from posttrain.losses import dpo_loss
+    from posttrain.losses.dpo import dpo_loss
     from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 
     model, optimizer, batch, cfg = state["model"], state["optimizer"], state["batch"], state["cfg"]

@@ -3,8 +3,8 @@
     python stages/distill.py --config RESOLVED.json --data DATA --teacher TEACHER_DIR --out DIR
     torchrun --nproc-per-node N stages/distill.py ...
 
-Reads `seed`, `model.student`, `model.dtype`, `memory`, `parallel`, `data.max_seq_len` and
-`distill` of the resolved config. The teacher is a model folder (the workflow passes the output of
+Reads the config keys in `READS` (and its run settings: loggers, `distill.log_every`,
+`distill.checkpoint_every`). The teacher is a model folder (the workflow passes the output of
 `distill.teacher_stage`, GRPO's by default), loaded frozen, in eval mode, run without gradients,
 and parallelized like the student (FSDP2 / TP) but given no optimizer. The student is
 `model.student`: a preset (random init, its vocabulary sized to the teacher's output), or an HF
@@ -33,9 +33,9 @@ Data (`distill.data`):
   on the teacher's sampled tokens: sequence-level KD (Kim & Rush 2016) beside the token divergence.
 
 At the end, greedy accuracy on the first `distill.eval_prompts` rows of the `eval` split is measured
-for teacher and student (the first of `reward.verifiers` when the resolved config has them, else
-the built-in `task` verifier), and the held-out divergence on `sft_eval` before and after training;
-all go to the `posttrain.json` summary. Resume state, metrics and the HF output folder as in SFT.
+for teacher and student (by the first of `reward.verifiers`, as `evaluate` counts it), and the
+held-out divergence on `sft_eval` before and after training; all go to the `posttrain.json` summary.
+Resume state, metrics and the HF output folder as in SFT.
 """
 
 from __future__ import annotations
@@ -55,14 +55,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from posttrain.checkpoint import load_state_into, resolve_model_source
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.chat import shifted_labels
 from posttrain.data.loader import Batches, length_multiple, prompt_batches, sft_batches
 from posttrain.data.packing import build_rows
 from posttrain.evaluation import is_correct
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
-from posttrain.losses import kd_loss, num_loss_tokens
+from posttrain.losses.ce import num_loss_tokens
+from posttrain.losses.kd import kd_loss
 from posttrain.models import Transformer, document_positions, is_preset
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (
@@ -88,6 +89,8 @@ from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 from posttrain.utils.metrics import MetricsLogger, first_value, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 STAGE = "distill"
+READS = ("seed", "model.student", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
+         "distill")
 GENERATION_BATCH = 64  # prompts per generate() call
 SAMPLING_TEMPERATURE = 1.0  # on-policy completions come from the student's own distribution
 
@@ -377,14 +380,14 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 def main() -> None:
     args = parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     distill, memory = cfg["distill"], cfg["memory"]
     steps, accum = int(distill["steps"]), int(distill["grad_accum"])
     on_policy = distill["data"] == "on_policy"
     sampled = on_policy or distill["data"] == "teacher_samples"
     # Cross-entropy needs reference labels: on the student's own samples it would only reinforce them.
     ce_weight = 0.0 if on_policy else float(distill["ce_weight"])
-    verifier = cfg.get("reward", {}).get("verifiers", ["task"])[0]
+    verifier = cfg["reward"]["verifiers"][0]
 
     # --- setup: processes, teacher (frozen), student, optimizer, data, resume state, logging ---
     info = init_distributed()
@@ -432,7 +435,7 @@ def main() -> None:
     metrics = MetricsLogger(
         checkpointer.metrics_path,
         enabled=info.is_main,
-        loggers=cfg.get("loggers", ()),
+        loggers=cfg["loggers"],
         run_name=f"{STAGE}-{cfg['key']}",
         config=cfg,
     )

@@ -4,8 +4,8 @@
     torchrun --nproc-per-node N stages/dpo.py ...
     ... --pairs results/reward/<key>/pairs.parquet      # with dpo.pairs: on_policy
 
-Reads `seed`, `model.dtype`, `data.max_seq_len`, `data.truncation`, `memory`, `parallel` and `dpo`
-of the resolved config. Pairs are the prepared `preference` split (`dpo.pairs: offline`) or the
+Reads the config keys in `READS` (and its run settings: loggers, `dpo.log_every`,
+`dpo.checkpoint_every`). Pairs are the prepared `preference` split (`dpo.pairs: offline`) or the
 reward stage's on-policy pairs (`on_policy`: a parquet/jsonl file of prompt/chosen/rejected rows,
 tokenized here like the prepared split). `dpo.batch_size` pairs (all processes together) make one
 optimizer step, split into `dpo.grad_accum` micro-batches; each pair weighs the same.
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.loader import Batches, preference_batches, preference_collate, prompt_batches
 from posttrain.data.sources import DataError, canonical_rows, load_source
 from posttrain.data.store import Split
@@ -52,7 +52,7 @@ from posttrain.dpo import (
     score_pairs,
 )
 from posttrain.evaluation import eval_pairs
-from posttrain.losses import preference_loss
+from posttrain.losses.dpo import preference_loss
 from posttrain.models.lora import disable_adapters
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed, loss_context
@@ -65,6 +65,7 @@ from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 STAGE = "dpo"
+READS = ("seed", "model.dtype", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
 STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected",
                 "nll/chosen")
 
@@ -141,7 +142,7 @@ def pair_loss(dpo: dict[str, Any], policy: PairLogps,
 def main() -> None:
     args = parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     dpo, memory = cfg["dpo"], cfg["memory"]
     steps, accum = int(dpo["steps"]), int(dpo["grad_accum"])
     uses_reference = dpo["loss"] != "simpo"
@@ -154,7 +155,7 @@ def main() -> None:
     seed_everything(cfg["seed"])
     tokenizer = Tokenizer(Path(args.data) / "tokenizer")
     hf_config = model_config(args.model, tokenizer)
-    model = build_model(args.model, hf_config, info, mesh, cfg, dpo["method"], dpo.get("lora"))
+    model = build_model(args.model, hf_config, info, mesh, cfg, dpo["method"], dpo["lora"])
 
     micro = micro_batch_size(dpo, dp_size)
     rows_per_rank = micro // dp_size
@@ -169,7 +170,7 @@ def main() -> None:
     cache_path = reference_cache_path(args.out)
     expected = fingerprint(key=cfg["key"], model=model_files(args.model), pairs=file_stats(pair_files),
                            rows=len(train.dataset), held_out=len(held_out), loss=dpo["loss"], reference=dpo["reference"],
-                           mixed_precision=memory.get("mixed_precision"))
+                           mixed_precision=memory["mixed_precision"])
     cached = load_cache(cache_path, expected)
     if cached is None:
         def score(dataset: Split, desc: str) -> PairLogps:
@@ -209,10 +210,10 @@ def main() -> None:
         if info.is_main:
             truncate_after(checkpointer.metrics_path, start_step)
             print(f"resuming from {resumed.path} at step {start_step}", flush=True)
-    metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg.get("loggers", ()),
+    metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg["loggers"],
                             run_name=f"{STAGE}-{cfg['key']}", config=cfg)
     stop = StopOnSignal()
-    guard = NonFiniteLossGuard(dpo.get("skip_nonfinite", 0), "dpo.skip_nonfinite", skip_possible=not in_backward)
+    guard = NonFiniteLossGuard(dpo["skip_nonfinite"], "dpo.skip_nonfinite", skip_possible=not in_backward)
     likelihood_acc_sft = likelihood_accuracy(held_out_ref, per_token) if held_out_ref is not None else None
     if resumed is None and likelihood_acc_sft is not None:
         metrics.log(0, {"eval/likelihood_acc": likelihood_acc_sft})

@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from posttrain.checkpoint import load_hf_model
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
 from posttrain.evaluation.lm_eval import run_lm_eval
@@ -45,10 +45,11 @@ from posttrain.models import Transformer
 from posttrain.rewards.verifiers import load_verifiers, score
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.io import atomic_dir
-from posttrain.utils.lineage import read_provenance, upstream_folder
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.plan import MODEL_STAGES
+from posttrain.workflow.layout import MODEL_STAGES
+from posttrain.workflow.lineage import read_provenance, upstream_folder
 
+READS = ("seed", "data.max_seq_len", "reward.verifiers", "eval")  # verifiers decide what counts as correct
 GENERATION_BATCH = 64  # sequences per generate() call
 SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs
 LOGGED_PROMPTS = 16  # prompts written to samples.jsonl
@@ -131,10 +132,8 @@ def main() -> None:
     started = time.time()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("evaluate runs in one process; set eval.resources to at most one GPU and procs: 1")
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     ev, seed = cfg["eval"], cfg["seed"]
-    if "verifiers" not in cfg.get("reward", {}):
-        raise ValueError(f"{args.config}: missing reward.verifiers (the workflow must pass it to evaluate)")
     verifier_specs = cfg["reward"]["verifiers"]
     verifiers = load_verifiers(verifier_specs)
     bad_k = [k for k in ev["pass_k"] if k > ev["samples"]]

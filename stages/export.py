@@ -2,7 +2,7 @@
 
     python stages/export.py --config RESOLVED.json --model MODEL_DIR [--eval EVAL_DIR ...] --out DIR
 
-Reads `export` of the resolved config. The model folder must hold merged weights (a LoRA run
+Reads the config keys in `READS` (`export`). The model folder must hold merged weights (a LoRA run
 writes them merged; adapter tensors or a top-level adapter are refused). Output (written to a
 temporary sibling and renamed when complete):
 
@@ -27,15 +27,16 @@ from pathlib import Path
 from safetensors import safe_open
 
 from posttrain.checkpoint import CheckpointError, load_hf_model, save_hf_model, weight_files
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.export import DTYPES
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir
-from posttrain.utils.lineage import lineage, read_provenance
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.lineage import lineage, read_provenance
 
+READS = ("export",)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output directory (results/export/<key>)")
     args = parser.parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     ex = cfg["export"]
     if ex["dtype"] not in DTYPES:
         raise ValueError(f"{args.config}: export.dtype must be one of {sorted(DTYPES)}, got {ex['dtype']!r}")

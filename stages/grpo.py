@@ -3,10 +3,10 @@
     python stages/grpo.py --config RESOLVED.json --data DATA --model DPO_MODEL --reward REWARD_DIR --out DIR
     torchrun --nproc-per-node N stages/grpo.py ...
 
-Reads `seed`, `data.max_seq_len`, `memory`, `parallel`, `reward.verifiers`, `reward.reward_model`
-and `grpo` of the resolved config. Prompts: `REWARD_DIR/grpo_prompts.parquet` (the reward stage's
-prompts whose pass rate lies inside its band, so every group can carry signal); without
-`--reward`, the data's `prompts` split.
+Reads the config keys in `READS` (and its run settings: loggers, `grpo.log_every`,
+`grpo.checkpoint_every`, `grpo.resources.cpus` for the Ray generators). Prompts:
+`REWARD_DIR/grpo_prompts.parquet` (the reward stage's prompts whose pass rate lies inside its
+band, so every group can carry signal); without `--reward`, the data's `prompts` split.
 
 Each step:
 1. Rollouts: `grpo.prompts_per_step` prompts (all processes together), `grpo.group_size`
@@ -53,10 +53,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.loader import Batches, prompt_batches, prompt_collate
 from posttrain.data.store import Split
-from posttrain.losses import IGNORE_INDEX, grpo_loss, token_logprobs_and_entropy
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.grpo import grpo_loss
+from posttrain.losses.logprobs import token_logprobs_and_entropy
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (
@@ -82,6 +84,8 @@ from posttrain.training.stats import data_parallel_sum, local_value
 from posttrain.utils.metrics import MetricsLogger, progress_bar, truncate_after
 
 STAGE = "grpo"
+READS = ("seed", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "reward.reward_model",
+         "grpo")
 GENERATION_BATCH = 256  # sequences per native generate() call
 PROMPT_COLUMNS = ("prompt_ids", "answer", "task", "example")
 
@@ -164,7 +168,7 @@ def policy_logprobs(model: Transformer, batch: MicroBatch, mesh: DeviceMesh | No
 def main() -> None:
     args = parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     grpo, memory = cfg["grpo"], cfg["memory"]
     steps, k, temperature = int(grpo["steps"]), int(grpo["group_size"]), float(grpo["temperature"])
     is_async = grpo["mode"] == "async"
@@ -192,7 +196,7 @@ def main() -> None:
     in_backward = isinstance(optimizer, OptimizerInBackward)
     clip = max_grad_norm(grpo)
 
-    reward_model = Path(args.reward) / "rm" if args.reward and cfg["reward"].get("reward_model") else None
+    reward_model = Path(args.reward) / "rm" if args.reward and cfg["reward"]["reward_model"] else None
     spec = WorkerSpec(
         backend=grpo["backend"], model_dir=args.model, tokenizer_dir=str(Path(args.data) / "tokenizer"), group_size=k,
         temperature=temperature, max_new_tokens=int(grpo["max_new_tokens"]), verifiers=tuple(cfg["reward"]["verifiers"]),
@@ -234,7 +238,7 @@ def main() -> None:
         if info.is_main:
             truncate_after(checkpointer.metrics_path, start_step)
             print(f"resuming from {resumed.path} at step {start_step} (policy version {version})", flush=True)
-    metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg.get("loggers", ()),
+    metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg["loggers"],
                             run_name=f"{STAGE}-{cfg['key']}", config=cfg)
     stop = StopOnSignal()
     guard = NonFiniteLossGuard(grpo["skip_nonfinite"], "grpo.skip_nonfinite", skip_possible=not in_backward)

@@ -2,7 +2,7 @@
 
     python stages/prepare_data.py --config RESOLVED.json --out results/data/<key>
 
-Reads `seed`, `model` (policy / tokenizer) and `data` of the resolved config. Rows come from the
+Reads the config keys in `READS`: `seed`, the model's tokenizer source and `data`. Rows come from the
 built-in tasks (`data.tasks`, `data.n_*`) and from `data.sources` (local files or hub datasets),
 per kind. The tokenizer is the model folder's, or for a preset a byte-level BPE trained on the
 training text. Output (written to a temporary sibling and renamed when complete):
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint import resolve_model_source
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.sources import KINDS, TASK_COLUMNS, DataError, canonical_rows, load_source
 from posttrain.data.store import write_split
 from posttrain.data.tasks import make_splits
@@ -36,6 +36,7 @@ from posttrain.training.faults import exit_on_known_errors
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
+READS = ("seed", "model.policy", "model.tokenizer", "data")
 SOURCE_KEYS = {"kind", "path", "split", "subset", "revision", "columns"}
 ON_BAD_ROW = ("error", "skip")
 
@@ -57,9 +58,9 @@ def collect_rows(data: dict[str, Any], seed: int) -> tuple[dict[str, list[dict]]
         unknown = sorted(set(source) - SOURCE_KEYS)
         if unknown:
             raise DataError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(SOURCE_KEYS)}")
-        raw = load_source(str(source["path"]), source.get("split"), source.get("subset"), source.get("revision"))
+        raw = load_source(str(source["path"]), source["split"], source["subset"], source["revision"])
         canonical, n_bad = canonical_rows(
-            raw, source["kind"], str(source["path"]), source.get("columns"), skip_bad=data["on_bad_row"] == "skip"
+            raw, source["kind"], str(source["path"]), source["columns"], skip_bad=data["on_bad_row"] == "skip"
         )
         rows[source["kind"]] += canonical
         bad[source["kind"]] += n_bad
@@ -75,8 +76,8 @@ def hold_out(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict
 def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path) -> Tokenizer:
     """`model.tokenizer` if set, else the policy's: a BPE trained here for presets, the folder's otherwise."""
     model, data = cfg["model"], cfg["data"]
-    source = model.get("tokenizer") or model["policy"]
-    if model.get("tokenizer") is None and is_preset(model["policy"]):
+    source = model["tokenizer"] or model["policy"]
+    if model["tokenizer"] is None and is_preset(model["policy"]):
         return train_bpe_tokenizer(tokenizer_training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
     Tokenizer(resolve_model_source(source)).save(out)
     return Tokenizer(out)
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output directory (results/data/<key>)")
     args = parser.parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     data, seed = cfg["data"], cfg["seed"]
     max_len = data["max_seq_len"]
 

@@ -2,11 +2,11 @@
 
     python stages/report.py --config results/report.config.json --out results/report
 
-The config is the workflow's report config: `{"stage": "report", "key", "variants": {name:
-manifest}}`, each manifest naming the variant's stage outputs (`stages: {stage: {key, path}}`),
-its evaluations (`eval: {stage: {key, path}}`), the model stage each model started from
-(`previous: {stage: stage or null}`) and `overrides`. Output (written to a temporary sibling and
-renamed when complete):
+The config is the workflow's report config: `{"stage": "report", "key", "upstream", "code",
+"variants": {name: manifest}}` (`READS`: the variants), each manifest naming the variant's stage
+outputs (`stages: {stage: {key, path}}`), its evaluations (`eval: {stage: {key, path}}`), the model
+stage each model started from (`previous: {stage: stage or null}`) and `overrides`. Output (written
+to a temporary sibling and renamed when complete):
 
     summary.tsv           one row per variant and evaluated stage (columns: posttrain.evaluation.summary)
     effects.tsv           per seed group, stage and metric: mean, spread, change from the previous
@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
+from posttrain.config import StageConfig, load_stage_config
 from posttrain.evaluation.curves import OBJECTIVES, objective_curves
 from posttrain.evaluation.effects import effect_metrics, effects_table
 from posttrain.evaluation.machine import machine_info
@@ -36,17 +36,13 @@ from posttrain.evaluation.summary import stage_records, summary_rows, summary_ta
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
+READS = ("variants",)
 MANIFEST_KEYS = ("stages", "eval", "previous")
 
 
-def read_report_config(path: str) -> dict[str, Any]:
-    try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"report config {path} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"report config {path}: not valid JSON ({err})") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("variants"), dict) or not cfg["variants"]:
+def read_report_config(path: str) -> StageConfig:
+    cfg = load_stage_config(path, READS, __file__)
+    if not isinstance(cfg.get("variants"), dict) or not cfg["variants"]:
         raise ValueError(f"report config {path}: needs a non-empty 'variants' mapping (name -> manifest)")
     for name, manifest in cfg["variants"].items():
         missing = [k for k in MANIFEST_KEYS if k not in manifest]

@@ -2,7 +2,7 @@
 
     python stages/reward.py --config RESOLVED.json --data DATA_DIR --model POLICY_DIR --out DIR
 
-Reads `seed`, `memory` and `reward` of the resolved config, in this order:
+Reads the config keys in `READS` (and `loggers`, for the reward model's training), in this order:
 
 1. `reward.reward_model: true`: a Bradley-Terry reward model (the policy's decoder plus a scalar
    head) is trained for `reward.rm_steps` steps of `reward.rm_batch_size` pairs at `reward.rm_lr`
@@ -55,12 +55,12 @@ import torch
 from tqdm.auto import tqdm
 
 from posttrain.checkpoint import load_hf_model
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import load_split
 from posttrain.evaluation.scoring import is_correct
 from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend
-from posttrain.losses import bradley_terry_loss
+from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.rewards import (
     RewardModel,
@@ -76,11 +76,12 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import exit_on_known_errors
 from posttrain.training.setup import build_optimizer_and_scheduler, seed_everything
 from posttrain.utils.io import atomic_dir
-from posttrain.utils.lineage import read_provenance
 from posttrain.utils.metrics import MetricsLogger, progress_bar
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
+READS = ("seed", "model.dtype", "data.max_seq_len", "memory", "reward")  # data.max_seq_len: the vLLM context
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
 RM_HELD_OUT = 0.1  # share of preference pairs held out for the reward model's accuracy
@@ -153,11 +154,11 @@ def train_reward_model(
     held_out = pairs.select(np.sort(order[:n_held]))
     train = Batches(pairs.select(np.sort(order[n_held:])), reward["rm_batch_size"], preference_collate(pad_id), seed=seed)
     schedule = {"lr": reward["rm_lr"], "steps": reward["rm_steps"], "warmup_steps": reward["rm_steps"] // 10,
-                "min_lr_ratio": 0.1, "max_grad_norm": None if cfg["memory"].get("optimizer_in_backward") else 1.0}
+                "min_lr_ratio": 0.1, "max_grad_norm": None if cfg["memory"]["optimizer_in_backward"] else 1.0}
     optimizer, scheduler = build_optimizer_and_scheduler(model, schedule, cfg["memory"])
     clip = schedule["max_grad_norm"]
 
-    metrics = MetricsLogger(metrics_path, run_name=f"{STAGE}-rm-{cfg['key']}", config=cfg)
+    metrics = MetricsLogger(metrics_path, loggers=cfg["loggers"], run_name=f"{STAGE}-rm-{cfg['key']}", config=cfg)
     accuracy_before = pairwise_accuracy(model, held_out, pad_id, device)
     metrics.log(0, {"rm/held_out_accuracy": accuracy_before})
     bar = progress_bar(reward["rm_steps"], 0, True, "reward model")
@@ -285,7 +286,7 @@ def as_messages(prompt: Any) -> list[dict[str, str]]:
 def main() -> None:
     args = parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     reward, seed = cfg["reward"], cfg["seed"]
     band = pass_rate_band(reward)
     k = int(reward["samples_per_prompt"])

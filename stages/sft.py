@@ -3,7 +3,7 @@
     python stages/sft.py --config RESOLVED.json --out results/sft/<key> --data results/data/<key>
     torchrun --nproc-per-node N stages/sft.py ...
 
-Reads `seed`, `model.policy`, `model.dtype`, `memory`, `parallel` and `sft` of the resolved config.
+Reads the config keys in `READS` (and its run settings: loggers, `sft.log_every`, `sft.checkpoint_every`).
 `sft.batch_size` rows (all processes together) make one optimizer step, split into
 `sft.grad_accum` micro-batches: grad_accum trades memory for time and leaves the result alone.
 Every token of the step weighs the same: the summed cross-entropy is divided by the loss-token
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from posttrain.config import load_resolved_config
+from posttrain.config import load_stage_config
 from posttrain.data.loader import Batches, length_multiple, sft_batches
-from posttrain.losses import IGNORE_INDEX, full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import (
@@ -61,6 +62,7 @@ from posttrain.utils.metrics import (
 )
 
 STAGE = "sft"
+READS = ("seed", "model.policy", "model.dtype", "memory", "parallel", "sft")  # what its key covers
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,7 +131,7 @@ def held_out_loss(model: Transformer, batches: Batches, mesh: DeviceMesh | None,
 def main() -> None:
     args = parse_args()
     started = time.time()
-    cfg = load_resolved_config(args.config)
+    cfg = load_stage_config(args.config, READS, __file__)
     sft, memory = cfg["sft"], cfg["memory"]
     steps = int(sft["steps"])
 
@@ -140,7 +142,7 @@ def main() -> None:
     seed_everything(cfg["seed"])
     tokenizer = Tokenizer(Path(args.data) / "tokenizer")
     hf_config = model_config(cfg["model"]["policy"], tokenizer)
-    model = build_model(cfg["model"]["policy"], hf_config, info, mesh, cfg, sft["method"], sft.get("lora"))
+    model = build_model(cfg["model"]["policy"], hf_config, info, mesh, cfg, sft["method"], sft["lora"])
     optimizer, scheduler = build_optimizer_and_scheduler(model, sft, memory)
     in_backward = isinstance(optimizer, OptimizerInBackward)
     clip = max_grad_norm(sft)
@@ -167,7 +169,7 @@ def main() -> None:
     metrics = MetricsLogger(
         checkpointer.metrics_path,
         enabled=info.is_main,
-        loggers=cfg.get("loggers", ()),
+        loggers=cfg["loggers"],
         run_name=f"{STAGE}-{cfg['key']}",
         config=cfg,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.plan import MODEL_STAGES, Job, Plan
-from posttrain.workflow.views import write_plan_configs
+from posttrain.workflow.views import write_plan_files
 
 # Four variants: seed1 and seed2 form the `default` group; again1 is seed1 again (the same outputs,
 # counted once); beta changes DPO's beta and distils from DPO, sharing data and SFT with seed1.
@@ -60,7 +60,7 @@ def _eval_metrics(job: Job) -> dict:
 
 def write_outputs(plan: Plan) -> None:
     """Every planned job's output folder, after its resolved config (so none looks older than its config)."""
-    write_plan_configs(plan.results, plan.configs())
+    write_plan_files(plan.results, plan.files())
     for jobs in plan.jobs.values():
         for job in jobs.values():
             folder = Path(job.path)

@@ -14,7 +14,7 @@ from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chat
 from posttrain.data.loader import TRIM_MULTIPLE, length_multiple, sft_rows_batch
 from posttrain.data.packing import best_fit_decreasing, build_rows, pack_or_pad, shortest_rows
 from posttrain.data.tokenize import preference_split, prompt_split, sft_split
-from posttrain.losses import linear_cross_entropy
+from posttrain.losses.ce import linear_cross_entropy
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import IM_END, Tokenizer, train_bpe_tokenizer
 

@@ -22,6 +22,7 @@ from posttrain.data.store import Split, load_split, write_split
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.config import validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "stages" / "prepare_data.py"
@@ -173,6 +174,7 @@ def test_user_sources_with_folder_tokenizer_and_bad_rows(tmp_path: Path, monkeyp
     prompts.write_text("question,answer\nCompute 2 + 2.,4\nCompute 3 + 3.,6\n")
     sources = [{"kind": "sft", "path": str(sft)},
                {"kind": "prompts", "path": str(prompts), "columns": {"prompt": "question"}}]
+    sources = validate_config({"data": {"sources": sources}})["data"]["sources"]  # the schema's defaults filled in
     cfg = _config(tasks=[], sources=sources, on_bad_row="skip")
     cfg["model"]["policy"] = str(model)
     out = _run_in_process(cfg, tmp_path, tmp_path / "out", monkeypatch)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from distill_testing import distill_config, random_model_folder, run_distill
 from eval_fixtures import load_stage
 from posttrain.checkpoint import load_hf_model
-from posttrain.losses import IGNORE_INDEX
+from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV

@@ -21,7 +21,8 @@ from posttrain.dpo import (
     score_pairs,
 )
 from posttrain.checkpoint import save_hf_model
-from posttrain.losses import IGNORE_INDEX, dpo_loss
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.dpo import dpo_loss
 from posttrain.models import Transformer, preset_config
 from posttrain.models.lora import apply_lora
 from posttrain.tokenizer import Tokenizer

@@ -173,16 +173,16 @@ def test_real_generation_on_an_sft_model(results, monkeypatch):
     assert len((out / "samples.jsonl").read_text().splitlines()) == 8
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda cfg: cfg.pop("reward"), "reward.verifiers"),
-    (lambda cfg: cfg["eval"].update(pass_k=[1, 8]), "eval.pass_k has k=8"),
+@pytest.mark.parametrize("change, error, message", [
+    (lambda cfg: cfg["reward"].pop("verifiers"), KeyError, "config key 'reward.verifiers' is missing from"),
+    (lambda cfg: cfg["eval"].update(pass_k=[1, 8]), ValueError, "eval.pass_k has k=8"),
 ])
-def test_config_errors_name_the_key(results, monkeypatch, change, message):
+def test_config_errors_name_the_key(results, monkeypatch, change, error, message):
     path = eval_config(results, "bad000000000", "sft", SFT_KEY)
     cfg = json.loads(path.read_text())
     change(cfg)
     write_config(path, cfg)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         run_stage(load_stage("evaluate"), ["--config", path, "--data", results / "data" / DATA_KEY,
                                            "--model", results / "sft" / SFT_KEY, "--out", results / "eval" / "bad"],
                   monkeypatch)

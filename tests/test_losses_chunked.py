@@ -8,15 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.losses import chunked
-from posttrain.losses import (
-    IGNORE_INDEX,
-    full_cross_entropy,
-    linear_cross_entropy,
-    num_loss_tokens,
-    sequence_logprobs,
-    token_logprobs,
-    token_logprobs_and_entropy,
-)
+from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy, num_loss_tokens
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.logprobs import sequence_logprobs, token_logprobs, token_logprobs_and_entropy
 
 B, S, D, V = 3, 11, 16, 97
 CHUNKS = [1, 3, 8, 64]  # 64 > kept tokens: empty chunks are skipped

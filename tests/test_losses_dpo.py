@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.losses import IGNORE_INDEX, dpo_loss, ipo_loss, preference_loss, sequence_logprobs, simpo_loss
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.dpo import dpo_loss, ipo_loss, preference_loss, simpo_loss
+from posttrain.losses.logprobs import sequence_logprobs
 
 N = 7
 

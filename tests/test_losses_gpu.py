@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.losses import IGNORE_INDEX, full_cross_entropy, kd_loss, linear_cross_entropy, token_divergence
+from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.kd import kd_loss, token_divergence
 
 pytestmark = [
     pytest.mark.gpu,

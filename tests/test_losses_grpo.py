@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from posttrain.losses import group_advantages, grpo_loss
+from posttrain.losses.grpo import group_advantages, grpo_loss
 
 GROUPS, K, T = 3, 4, 9
 B = GROUPS * K

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.losses import IGNORE_INDEX, kd_loss, token_divergence
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.kd import kd_loss, token_divergence
 
 B, S, V = 2, 13, 97
 STUDENT_D, TEACHER_D = 12, 20

@@ -36,6 +36,7 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV, exit_on_known_errors, explain_out_of_memory
 from posttrain.training.resume import Checkpointer, resume_dir
 from posttrain.utils.provenance import git_commit
+from posttrain.workflow.config import validate_config
 from sft_testing import ROOT, SMALL_DATA, env_for, metrics, prepare_data, resolved_config, weights, write_config
 
 # A fake hub token in every stage's environment: no output file and no log line may contain it.
@@ -286,7 +287,7 @@ def test_bad_data_row_names_file_row_and_field(tmp_path, monkeypatch, capsys):
     source = tmp_path / "chats.jsonl"
     good = {"prompt": "What is 2+2?", "response": "4"}
     source.write_text("\n".join(json.dumps(r) for r in [good, good, {"prompt": "Where is the answer?"}]) + "\n")
-    sources = [{"kind": "sft", "path": str(source)}]
+    sources = validate_config({"data": {"sources": [{"kind": "sft", "path": str(source)}]}})["data"]["sources"]
     cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": sources})
     out = tmp_path / "data"
     error = _run_main("prepare_data", ["--config", write_config(cfg, tmp_path / "c.json"), "--out", out],

@@ -136,14 +136,17 @@ def workflow(tmp_path_factory):
     """A workflow copy whose results hold hand-written stage outputs, the report stage's real output
     and Snakemake's HTML report of them."""
     root = tmp_path_factory.mktemp("report_html")
-    for name in ("Snakefile", "workflow", "envs", "profiles", "config", "stages"):
+    for name in ("Snakefile", "workflow", "envs", "profiles", "config", "stages", "posttrain"):
         src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name)
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, root / name)
     (root / "ablations.tsv").write_text(TABLE)
     results = root / "results"
     overrides = {"results": str(results), "ablations": str(root / "ablations.tsv")}
     write_outputs(build_plan(load_config(root / "config" / "config.yaml", overrides=overrides),
-                             schema_dir=root / "workflow" / "schemas"))
+                             schema_dir=root / "workflow" / "schemas", repo=root))  # keys cover the copy's code
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     base = [sys.executable, "-m", "snakemake", "--cores", "1", "--config", *(f"{k}={v}" for k, v in overrides.items())]
 

@@ -120,6 +120,19 @@ def test_sigkill_then_rerun_is_bitwise_equal_to_uninterrupted(data_dir, uninterr
 
 
 @pytest.mark.slow
+def test_run_settings_leave_the_result_alone(data_dir, uninterrupted, tmp_path):
+    """Checkpoint and log cadence and the loggers are run settings, part of no stage key: a run with
+    other values gives the same weights and losses (with the resume tests above: no cadence, and
+    no interruption, changes what a stage computes)."""
+    out = tmp_path / "sft"
+    run_sft(_config(checkpoint_every=5, log_every=3) | {"loggers": ["tensorboard"]}, data_dir, out)
+    reference, other = weights(uninterrupted), weights(out)
+    assert reference.keys() == other.keys() and all(torch.equal(reference[k], other[k]) for k in reference)
+    assert [r["loss"] for r in metrics(out) if "loss" in r] == [r["loss"] for r in metrics(uninterrupted) if "loss" in r]
+    assert list((out / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(data_dir, tmp_path):
     out = tmp_path / "sft"
     cfg = _config(key="sigterm", steps=200, checkpoint_every=1000)

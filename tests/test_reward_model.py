@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from posttrain.checkpoint import CheckpointError, save_hf_model
-from posttrain.losses import IGNORE_INDEX, bradley_terry_loss
+from posttrain.losses.bradley_terry import bradley_terry_loss
+from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer
 from posttrain.rewards import RewardModel, load_reward_model, pad_right, save_reward_model, score_sequences, scored_lengths
 

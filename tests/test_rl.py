@@ -12,7 +12,8 @@ from posttrain.data.loader import Batches, prompt_collate
 from posttrain.data.store import Split
 from posttrain.generation.backend import NativeBackend
 from posttrain.generation.sampler import SamplingParams
-from posttrain.losses import IGNORE_INDEX, token_logprobs
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.logprobs import token_logprobs
 from posttrain.models import Transformer, preset_config
 from posttrain.rl.batch import advantages, micro_batches
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts

@@ -27,7 +27,7 @@ from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, una
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "envs")
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "posttrain", "envs")  # keys cover its own code
 SLURM_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export")
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")
 TRAINING_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill")
@@ -84,6 +84,13 @@ def _memory_overlay(workdir: Path) -> Path:
     return path
 
 
+def _loggers_overlay(workdir: Path) -> Path:
+    """TensorBoard for every training stage: a run setting, so the keys are the smoke config's."""
+    path = workdir / "slurm-test-loggers.yaml"
+    path.write_text("loggers: [tensorboard]\n")
+    return path
+
+
 def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=2200)
@@ -91,7 +98,7 @@ def _snakemake(workdir: Path, env: dict[str, str], *args: str) -> tuple[int, str
 
 
 def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir, tmp_path):
-    smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)))
+    smoke = ("--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)), str(_loggers_overlay(workdir)))
     env = {**slurm_cluster.env, "XDG_CONFIG_HOME": str(tmp_path / "config")}
     install = subprocess.run([sys.executable, "-m", "posttrain.workflow.profiles", "install", "slurm"], env=env,
                              capture_output=True, text=True, timeout=120)
@@ -112,6 +119,8 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir, tmp_path):
         assert json.loads((folder / "posttrain.json").read_text())["stage"] == stage
     for stage in MODEL_STAGES:
         assert {"model.safetensors", "config.json"} <= {p.name for p in outputs[stage].iterdir()}, stage
+        # `loggers` reached the stage through its run settings file (the smoke reward stage trains no model)
+        assert list((outputs[stage] / "logs" / "tensorboard").glob("events.out.tfevents.*")), stage
     assert sorted(manifest["eval"]) == sorted(MODEL_STAGES)
     assert all((workdir / ref["path"] / "metrics.json").is_file() for ref in manifest["eval"].values())
     assert (workdir / manifest["export"]["path"] / "model.safetensors").is_file()

@@ -21,7 +21,7 @@ from posttrain.workflow.ablations import parse_cell, read_ablations
 from posttrain.workflow.config import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
 from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_LENGTH, MODEL_STAGES, build_plan, pipeline_order
-from posttrain.workflow.views import write_json, write_plan_configs, write_variant_view
+from posttrain.workflow.views import write_json, write_plan_files, write_variant_view
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = load_config()
@@ -304,15 +304,26 @@ def test_a_change_moves_exactly_the_downstream_keys():
     assert changed(base, stage_keys(cfg_with(seed=7))) == set(base)
 
 
-def test_resources_are_not_part_of_keys_or_configs():
+RUN_SETTINGS = {"loggers": ["tensorboard"], "sft": {"resources": {"gpus": 8, "cpus": 32}, "log_every": 3, "checkpoint_every": 7},
+                "data": {"resources": {"mem_mb": 1}}, "grpo": {"log_every": 2, "checkpoint_every": 3}}
+
+
+def test_run_settings_are_not_part_of_keys_or_configs():
     base = build_plan(cfg_with())
-    more = build_plan(cfg_with(sft={"resources": {"gpus": 8, "cpus": 32}}, data={"resources": {"mem_mb": 1}}))
-    assert stage_keys(cfg_with()) == stage_keys(cfg_with(sft={"resources": {"gpus": 8}}))
+    cfg = cfg_with(**RUN_SETTINGS)
+    more = build_plan(cfg)
+    assert stage_keys(cfg_with()) == stage_keys(cfg)
     sft = more.variants["default"].stages["sft"]
     assert sft.resources["gpus"] == 8 and base.variants["default"].stages["sft"].resources["gpus"] == 0
+    own = {name: cfg["sft"][name] for name in ("resources", "log_every", "checkpoint_every")}
+    assert sft.run == {"loggers": ["tensorboard"], "sft": own}  # loggers and its own section's
+    assert more.variants["default"].stages["prepare_data"].run["data"]["resources"]["mem_mb"] == 1
+    assert more.variants["default"].evals["sft"].run["eval"]["resources"] == BASE["eval"]["resources"]
     for jobs in more.jobs.values():
         for job in jobs.values():
-            assert all("resources" not in section for section in job.resolved.values() if isinstance(section, dict))
+            assert "loggers" not in job.resolved
+            assert all(not {"resources", "log_every", "checkpoint_every"} & set(section)
+                       for section in job.resolved.values() if isinstance(section, dict))
 
 
 def test_resolved_config_contract(tmp_path):
@@ -323,7 +334,7 @@ def test_resolved_config_contract(tmp_path):
     assert sft.path == f"results/sft/{sft.key}" and sft.config_path == f"results/sft/{sft.key}.config.json"
     assert sft.resolved["stage"] == "sft" and sft.resolved["key"] == sft.key
     assert sft.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key}
-    assert set(sft.resolved) == {"seed", "model", "data", "memory", "parallel", "sft", "stage", "key", "upstream"}
+    assert set(sft.resolved) == {"seed", "model", "data", "memory", "parallel", "sft", "stage", "key", "upstream", "code"}
     assert "student" not in sft.resolved["model"]  # only distill reads the student
     assert grpo.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key, "dpo": g4.stages["dpo"].key,
                                          "reward": g4.stages["reward"].key}
@@ -352,7 +363,7 @@ def test_results_root_is_configurable():
 def test_report_config_lists_every_variant(tmp_path):
     plan = build_plan(grpo_sweep(tmp_path))
     report = plan.report_config()
-    assert plan.configs()[f"report.{report['key']}"] == report
+    assert plan.files()[f"report.{report['key']}.config.json"] == report
     assert plan.report_config_path == f"results/report.{report['key']}.config.json"
     assert report["stage"] == "report" and list(report["variants"]) == ["g4", "g8", "g16"]
     manifest = report["variants"]["g8"]
@@ -465,14 +476,15 @@ def test_write_json_leaves_identical_files_alone(tmp_path):
     assert write_json(path, {"a": 2}) and json.loads(path.read_text()) == {"a": 2}
 
 
-def test_plan_configs_and_variant_view(tmp_path):
+def test_plan_files_and_variant_view(tmp_path):
     plan = build_plan(grpo_sweep(tmp_path))
     results = str(tmp_path / "results")
-    assert write_plan_configs(results, plan.configs()) == len(plan.configs())
-    assert write_plan_configs(results, plan.configs()) == 0
+    assert write_plan_files(results, plan.files()) == len(plan.files())
+    assert write_plan_files(results, plan.files()) == 0
     sft = plan.variants["g4"].stages["sft"]
     written = json.loads((tmp_path / "results" / "sft" / f"{sft.key}.config.json").read_text())
     assert written == sft.resolved
+    assert json.loads((tmp_path / "results" / "sft" / f"{sft.key}.run.json").read_text()) == sft.run
     manifest = copy.deepcopy(plan.variants["g4"].manifest())
     for group in ("stages", "eval"):
         for ref in manifest[group].values():

@@ -1,12 +1,14 @@
 """The Snakefile driven through Snakemake's command line, in a temporary copy of the workflow.
 
-The copy's stages/*.py are test doubles: each checks the inputs it is handed, writes its declared
-output and appends `<stage> <key>` to $FAKE_STAGE_LOG, so job planning, rerun decisions and the
-shell lines are tested in seconds. (The real stages run end to end in the smoke test.)
+The copy's stages/*.py are test doubles: each declares the real stage's `READS`, checks the inputs
+it is handed, writes its declared output and appends `<stage> <key>` to $FAKE_STAGE_LOG, so job
+planning, rerun decisions and the shell lines are tested in seconds. (The real stages run end to
+end in the smoke test; tests/test_stage_keys.py plans a copy of the real ones.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.workflow.fingerprint import declared_reads
 from snakemake_testing import job_counts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +31,7 @@ FAKE_STAGE = textwrap.dedent('''
     """Test double of a stage script: the CLI contract of docs/architecture.md, no training."""
     import argparse, json, os, pathlib, sys
 
+    READS = ()
     stage = pathlib.Path(sys.argv[0]).stem
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -67,7 +71,8 @@ class Workflow:
         shutil.copy(REPO / "config" / "config.yaml", root / "config" / "config.yaml")
         (root / "stages").mkdir()
         for stage in STAGES:
-            (root / "stages" / f"{stage}.py").write_text(FAKE_STAGE)
+            reads = declared_reads(REPO / "stages" / f"{stage}.py")
+            (root / "stages" / f"{stage}.py").write_text(FAKE_STAGE.replace("READS = ()", f"READS = {reads!r}"))
         self.stage_log = root / "stage_runs.log"
         self.table("variant\n")  # no variants: one `default`
 
@@ -210,10 +215,16 @@ def test_reruns_are_exact(wf):
     view = wf.root / "results" / "variants" / "default"
     assert (view / "manifest.json").is_file() and (view / "grpo" / "posttrain.json").is_file()
 
-    # Nothing changed, or only resources (not part of any key): nothing to do.
+    # Nothing changed, or only run settings (resources, loggers, cadence: part of no key): nothing to
+    # do, although the run settings files next to the configs were rewritten.
     assert wf.plan(*local) == Counter()
-    resources = wf.overlay("resources", "sft: {resources: {cpus: 1, mem_mb: 1000, runtime: 5}}\n")
-    assert wf.plan(*local, "--configfile", resources) == Counter()
+    run = wf.overlay("run", """
+        loggers: [tensorboard]
+        sft: {resources: {cpus: 1, mem_mb: 1000, runtime: 5}, log_every: 1, checkpoint_every: 3}
+    """)
+    assert wf.plan(*local, "--configfile", run) == Counter()
+    sft_run = json.loads(next((wf.root / "results" / "sft").glob("*.run.json")).read_text())
+    assert sft_run["loggers"] == ["tensorboard"] and sft_run["sft"]["checkpoint_every"] == 3
 
     # An eval setting: the evals rerun (and export, whose model card quotes an eval), no training.
     evals = wf.overlay("eval", "eval: {max_new_tokens: 8}\n")
@@ -226,8 +237,17 @@ def test_reruns_are_exact(wf):
     assert wf.runs() == Counter({stage: 1 for stage in STAGES if stage != "prepare_data"} | {"evaluate": 4})
     assert wf.plan(*local, "--configfile", lr) == Counter()
 
-    # Editing a stage script reruns that stage (same key, in place) and what reads its output.
+    # A comment in a stage script changes no key: nothing to do. A real edit moves that stage and what
+    # reads its output to new keys (the old outputs stay), and the dry run says why.
     with open(wf.root / "stages" / "grpo.py", "a") as script:
         script.write("# edited\n")
-    assert wf.plan(*local) == Counter({"grpo": 1, "distill": 1, "evaluate": 2, "export": 1, "report": 1,
-                                       "variant": 1, "all": 1})
+    assert wf.plan(*local, "--configfile", lr) == Counter()
+    with open(wf.root / "stages" / "grpo.py", "a") as script:
+        script.write("EDITED = True\n")
+    output = wf.snakemake(*local, "--configfile", lr, "--dry-run", "--quiet", "rules").output
+    assert job_counts(output) == Counter({"grpo": 1, "distill": 1, "evaluate": 2, "export": 1, "report": 1,
+                                          "variant": 1, "all": 1})
+    key = "[0-9a-f]{12}"
+    assert re.search(rf"^rerun reason: grpo {key} \(was {key}\): code: stages/grpo.py$",
+                     output, re.M), output
+    assert re.search(rf"^rerun reason: distill {key} \(was {key}\): input: new key of grpo$", output, re.M), output

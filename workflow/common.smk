@@ -2,13 +2,15 @@
 # The logic lives in posttrain/workflow/ (unit-tested Python); this file only wires it in.
 
 import os
+import sys
 
 from snakemake.utils import min_version, validate
 
 from posttrain.workflow.config import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
-from posttrain.workflow.views import write_plan_configs
+from posttrain.workflow.reasons import rerun_reasons
+from posttrain.workflow.views import write_plan_files
 
 min_version("9.0")
 
@@ -26,12 +28,18 @@ config.update(
 )
 validate(config, "schemas/config.schema.yaml")
 
-PLAN = build_plan(config, schema_dir=SCHEMAS)  # names the line and column of a bad table cell
+# Keys cover the code of this checkout's stages/ and posttrain/ (a copied repository keys its own).
+PLAN = build_plan(config, schema_dir=SCHEMAS, repo=REPO)  # names the line and column of a bad table cell
 RESULTS = PLAN.results
-# Each planned output's RESOLVED.json (<results>/<stage dir>/<key>.config.json) and the report's
+# Each planned output's resolved config (<results>/<stage dir>/<key>.config.json) and the report's
 # (<results>/report.<key>.config.json): pure functions of the plan, named by their key, written
 # now (only when missing or different) so that every stage rule finds its config as an input file.
-write_plan_configs(RESULTS, PLAN.configs())
+# Next to each, <key>.run.json: loggers, resources, log and checkpoint cadence, read by the stage
+# but no rule input, so changing them reruns nothing.
+write_plan_files(RESULTS, PLAN.files())
+# A missing output whose stage has an output differing only in code: say which modules changed.
+for line in rerun_reasons(PLAN):
+    print(line, file=sys.stderr)
 
 
 wildcard_constraints:
@@ -40,7 +48,8 @@ wildcard_constraints:
 
 
 def script(stage):
-    """stages/<stage>.py relative to the working directory (an input, so editing it reruns the rule)."""
+    """stages/<stage>.py relative to the working directory: a param, not an input, since the stage
+    key covers the script's code (a comment-only edit reruns nothing, a real one moves the key)."""
     return os.path.relpath(os.path.join(REPO, "stages", f"{stage}.py"))
 
 
@@ -57,12 +66,11 @@ def stage_benchmark(stage):
 
 
 def stage_inputs(stage):
-    """Input function: the script, the resolved config and the upstream outputs (named by CLI flag)."""
+    """Input function: the resolved config and the upstream outputs (named by CLI flag)."""
 
     def inputs(wildcards):
         job = PLAN.job(stage, wildcards.key)
         return {
-            "script": script(stage),
             "config": job.config_path,
             **{flag: upstream.path for flag, upstream in job.inputs.items()},
         }
@@ -71,7 +79,7 @@ def stage_inputs(stage):
 
 
 def stage_resources(stage):
-    """Snakemake resources from the stage section's `resources` (not part of the stage key)."""
+    """Snakemake resources from the stage section's `resources` (a run setting, not part of the stage key)."""
     return {
         name: lambda wildcards, name=name: job_resources(PLAN.job(stage, wildcards.key).resources)[name]
         for name in RESOURCE_NAMES

@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 
-from posttrain.losses import IGNORE_INDEX, sequence_logprobs
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.logprobs import sequence_logprobs
 from posttrain.models import Transformer
 from posttrain.parallel import data_parallel_rank, loss_context, uses_tensor_parallel
 from posttrain.training.stats import local_value

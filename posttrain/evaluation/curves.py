@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posttrain.workflow.plan import pipeline_order
+from posttrain.workflow.layout import pipeline_order
 
 OBJECTIVES: dict[str, tuple[str, ...]] = {
     "sft": ("loss", "eval_loss"),  # stages/sft.py: training CE per step; held-out CE at step 0 and the last step

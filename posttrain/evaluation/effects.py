@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import pandas as pd
 
 from posttrain.evaluation.summary import pass_columns
-from posttrain.workflow.plan import pipeline_order
+from posttrain.workflow.layout import pipeline_order
 
 EFFECT_METRICS = ("accuracy", "reward", "nll", "pref_acc")  # the pass@k columns go after accuracy
 COLUMNS = ("group", "stage", "previous", "metric", "n", "mean", "std", "min", "max", "delta_mean", "delta_std",

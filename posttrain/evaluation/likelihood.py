@@ -15,7 +15,9 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from posttrain.data.tokenize import preference_split
-from posttrain.losses import IGNORE_INDEX, kept_token_logprobs, preference_loss, sequence_logprobs
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.dpo import preference_loss
+from posttrain.losses.logprobs import kept_token_logprobs, sequence_logprobs
 from posttrain.models import Transformer
 from posttrain.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain.evaluation.curves import Curve  # noqa: E402
-from posttrain.workflow.plan import pipeline_order  # noqa: E402
+from posttrain.workflow.layout import pipeline_order  # noqa: E402
 
 FRACTIONS = ("accuracy", "pref_acc")  # plotted on [0, 1], as are pass@k
 DPI = 110

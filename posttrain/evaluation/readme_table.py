@@ -26,7 +26,7 @@ import pandas as pd
 from posttrain.evaluation.effects import effect_metrics, effects_table
 from posttrain.evaluation.summary import read_summary
 from posttrain.utils.io import read_json
-from posttrain.workflow.plan import pipeline_order
+from posttrain.workflow.layout import pipeline_order
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"

@@ -34,7 +34,7 @@ import pandas as pd
 
 from posttrain.utils.io import read_json
 from posttrain.utils.provenance import read_provenance
-from posttrain.workflow.plan import pipeline_order
+from posttrain.workflow.layout import pipeline_order
 
 SEED_KEY = "seed"  # the override that makes replicates, not a different experiment
 BASE_GROUP = "default"

@@ -1,6 +1,6 @@
 """The exported model's `README.md`: how to load it, its eval numbers and its training lineage.
 
-The lineage is the chain of `posttrain.json` records (`posttrain.utils.lineage`): each stage's key,
+The lineage is the chain of `posttrain.json` records (`posttrain.workflow.lineage`): each stage's key,
 wall time, summary metrics and the config section it ran with, so a reader can tell exactly what
 produced the weights.
 """

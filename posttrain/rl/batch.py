@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from posttrain.losses import IGNORE_INDEX, group_advantages
+from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.grpo import group_advantages
 from posttrain.rl.rollout import RolloutGroup
 
 

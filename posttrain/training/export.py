@@ -59,5 +59,5 @@ def save_final_model(
                 logs = metrics_path.parent / "logs"
                 if logs.is_dir():
                     shutil.copytree(logs, tmp / "logs")
-            write_provenance(tmp, dict(cfg), cfg["stage"], started, summary)
+            write_provenance(tmp, cfg, cfg["stage"], started, summary)
     barrier()

@@ -11,12 +11,14 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+from posttrain.config import as_dict
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -79,7 +81,7 @@ class MetricsLogger:
         loggers: Sequence[str] = (),
         log_dir: Path | None = None,
         run_name: str = "posttrain",
-        config: dict[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
     ):
         self.path = Path(path)
         self.enabled = enabled
@@ -106,7 +108,7 @@ class MetricsLogger:
                 project=os.environ.get("WANDB_PROJECT", "posttrain"),
                 name=run_name,
                 dir=str(log_dir / "wandb"),
-                config=config or {},
+                config=as_dict(config or {}),
                 resume="allow",
                 id=run_name.replace("/", "-"),
             )

@@ -8,11 +8,13 @@ import platform
 import subprocess
 import time
 from datetime import datetime, timezone
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.config import as_dict
 from posttrain.utils.io import PROVENANCE_FILE, read_json
 
 
@@ -32,8 +34,14 @@ def git_commit(repo: Path | None = None) -> str | None:
     return f"{commit}-dirty" if dirty else commit
 
 
-def write_provenance(out_dir: str | Path, cfg: dict[str, Any], stage: str, started: float, metrics: dict[str, Any]) -> dict[str, Any]:
-    """Write `out_dir/posttrain.json`; `started` is the `time.time()` at which the stage began."""
+def write_provenance(out_dir: str | Path, cfg: Mapping[str, Any], stage: str, started: float,
+                     metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write `out_dir/posttrain.json`; `started` is the `time.time()` at which the stage began.
+
+    `cfg` is recorded whole (a `StageConfig`'s resolved config and run settings, not only what the
+    stage declared): what produced the output, for anyone reading it later.
+    """
+    cfg = as_dict(cfg)
     now = time.time()
     record = {
         "stage": stage,

@@ -1,13 +1,16 @@
 """Stage keys and the job graph of all variants.
 
-A stage's key is a hash of what its output depends on: the config keys it reads (`USES`, with
-each section's `resources` left out) and the keys of the outputs it reads. Its output lives at
-`<results>/<stage dir>/<key>/`, so variants that agree up to a stage share that output, and a
-changed value moves exactly the stages downstream of it to new paths.
+A stage's key is a hash of what its output depends on: the config keys its script declares it
+reads (`READS` in `stages/<stage>.py`, run settings left out), the fingerprint of the code it
+runs (the script and the `posttrain` modules it imports, `posttrain.workflow.fingerprint`) and
+the keys of the outputs it reads. Its output lives at `<results>/<stage dir>/<key>/`, so variants
+that agree up to a stage share that output, and a changed value or module moves exactly the
+stages downstream of it to new paths.
 
-The config a stage script receives (`RESOLVED.json`) holds the keys its own key covers plus
-everything its upstream stages received: a pure function of the key, identical for every variant
-that shares the output.
+The config a stage script receives (`<key>.config.json`) holds the settings its own key covers,
+everything its upstream stages received, and its code record: a pure function of the key,
+identical for every variant that shares the output. Its run settings (`loggers`, its section's
+`resources`, `log_every`, `checkpoint_every`) go to `<key>.run.json`, which enters no key.
 """
 
 from __future__ import annotations
@@ -15,56 +18,23 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTION_KEYS, RUN_SUFFIX, deep_union, is_run_setting
 from posttrain.workflow.ablations import Variant, load_variants
-from posttrain.workflow.config import SCHEMA_DIR, get_dotted, set_dotted
+from posttrain.workflow.config import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
+from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
+from posttrain.workflow.layout import MODEL_STAGES, STAGE_DIRS, pipeline_order
 
-KEY_VERSION = 1  # bump when the key recipe changes, so old outputs are not reused by mistake
+__all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
+
+KEY_VERSION = 2  # bump when the key recipe changes, so old outputs are not reused by mistake (2: code fingerprint)
 KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
-
-# Stage (rule and script name) -> directory under results/, in pipeline (DAG) order: the one order
-# the report, its tables and figures follow.
-STAGE_DIRS = {
-    "prepare_data": "data",
-    "sft": "sft",
-    "dpo": "dpo",
-    "reward": "reward",
-    "grpo": "grpo",
-    "distill": "distill",
-    "evaluate": "eval",
-    "export": "export",
-}
-MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, in pipeline order; each is evaluated
-
-_TRAINING = ("seed", "model.policy", "model.tokenizer", "model.dtype", "data", "memory", "parallel")
-# Config keys each stage reads itself (besides what its inputs carry). `<section>.resources` is
-# never part of a key: it changes how a job runs, not what it computes.
-USES: dict[str, tuple[str, ...]] = {
-    "prepare_data": ("seed", "model.policy", "model.tokenizer", "data"),
-    "sft": (*_TRAINING, "sft"),
-    "dpo": (*_TRAINING, "dpo"),
-    "reward": (*_TRAINING, "reward"),
-    "grpo": (*_TRAINING, "grpo"),
-    "distill": (*_TRAINING, "model.student", "reward.verifiers", "distill"),  # verifiers: its greedy eval
-    "evaluate": ("seed", "eval", "reward.verifiers"),  # verifiers decide what counts as correct
-    "export": ("export",),
-}
-RESOURCES_FROM = {"prepare_data": "data", "evaluate": "eval"}  # stage -> section holding its resources
-
-
-def pipeline_order(stages: Iterable[str]) -> list[str]:
-    """`stages` in the order the pipeline runs them (not alphabetical); an unknown stage is an error."""
-    stages = list(stages)
-    unknown = sorted(set(stages) - set(STAGE_DIRS))
-    if unknown:
-        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the pipeline's stages are {', '.join(STAGE_DIRS)}")
-    order = list(STAGE_DIRS)
-    return sorted(stages, key=order.index)
+RUN_SECTION = {"prepare_data": "data", "evaluate": "eval"}  # stage -> config section of its run settings
 
 
 def canonical_json(value: Any) -> str:
@@ -72,28 +42,60 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def stage_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str]) -> str:
-    """12 hex digits of sha256 over the stage name, its settings and its inputs' keys."""
-    payload = canonical_json({"v": KEY_VERSION, "stage": stage, "config": settings, "upstream": upstream})
+def stage_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str], code: str) -> str:
+    """12 hex digits of sha256 over the stage name, its settings, its code fingerprint and its inputs' keys."""
+    payload = canonical_json({"v": KEY_VERSION, "stage": stage, "config": settings, "code": code, "upstream": upstream})
     return hashlib.sha256(payload.encode()).hexdigest()[:KEY_LENGTH]
 
 
-def _settings(stage: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The nested config subset `USES[stage]`, without any `resources`."""
+@dataclass(frozen=True)
+class StageCode:
+    """What the plan reads from `stages/<stage>.py`: its declared config keys and its code record."""
+
+    script: str
+    reads: tuple[str, ...]
+    modules: dict[str, str]  # path relative to the repository -> hash (`module_hashes`)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.modules)
+
+    def record(self) -> dict[str, Any]:
+        """The `code` entry of the resolved config: enough to say which modules changed."""
+        return {"fingerprint": self.fingerprint, "modules": self.modules}
+
+
+def stage_code(repo: str | Path, stage: str) -> StageCode:
+    """The stage's `READS` and code record; a declared run setting is an error naming the script."""
+    script = stage_script(repo, stage)
+    reads = declared_reads(script)
+    run = [key for key in reads if is_run_setting(key)]
+    if run:
+        raise ValueError(f"{script}: READS declares the run setting(s) {', '.join(run)}, which reach the stage "
+                         "without a declaration and enter no key; remove them from READS")
+    return StageCode(str(script), reads, module_hashes(script, repo))
+
+
+def _settings(code: StageCode, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested config subset the stage declares, without run settings."""
     out: dict[str, Any] = {}
-    for key in USES[stage]:
-        value = copy.deepcopy(get_dotted(cfg, key))
-        if isinstance(value, dict):
-            value.pop("resources", None)
+    for key in code.reads:
+        try:
+            value = copy.deepcopy(get_dotted(cfg, key))
+        except (KeyError, TypeError):
+            raise ValueError(f"{code.script}: READS names {key!r}, which is not a config key") from None
+        if isinstance(value, dict) and "." not in key:
+            for name in RUN_SECTION_KEYS:
+                value.pop(name, None)
         set_dotted(out, key, value)
     return out
 
 
-def _deep_union(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = _deep_union(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-    return out
+def _run_settings(stage: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """`loggers` and the run settings of the stage's own section (`<key>.run.json`)."""
+    section = RUN_SECTION.get(stage, stage)
+    own = {name: copy.deepcopy(cfg[section][name]) for name in RUN_SECTION_KEYS if name in cfg.get(section, {})}
+    return {**{name: copy.deepcopy(cfg[name]) for name in RUN_KEYS}, **({section: own} if own else {})}
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,20 @@ class Job:
     key: str
     path: str  # <results>/<stage dir>/<key>
     inputs: dict[str, Job]  # CLI flag (data, model, teacher, reward, eval) -> upstream job
-    resolved: dict[str, Any]  # RESOLVED.json: config subset + stage, key, upstream
-    resources: dict[str, Any]  # <section>.resources of the first variant that planned this key
+    resolved: dict[str, Any]  # <key>.config.json: config subset + stage, key, upstream, code
+    run: dict[str, Any]  # <key>.run.json: the run settings of the first variant that planned this key
 
     @property
     def config_path(self) -> str:
-        return f"{self.path}.config.json"
+        return f"{self.path}{CONFIG_SUFFIX}"
+
+    @property
+    def run_path(self) -> str:
+        return f"{self.path}{RUN_SUFFIX}"
+
+    @property
+    def resources(self) -> dict[str, Any]:
+        return self.run[RUN_SECTION.get(self.stage, self.stage)]["resources"]
 
     def ref(self) -> dict[str, str]:
         return {"key": self.key, "path": self.path}
@@ -150,8 +160,16 @@ class Plan:
     """All variants' jobs, deduplicated by (stage, key)."""
 
     results: str
+    repo: Path = REPO_ROOT  # whose stages/ and posttrain/ the keys' code records come from
     variants: dict[str, VariantPlan] = field(default_factory=dict)
     jobs: dict[str, dict[str, Job]] = field(default_factory=dict)  # stage -> key -> job
+    _code: dict[str, StageCode] = field(default_factory=dict)
+
+    def code(self, stage: str) -> StageCode:
+        """The stage's `StageCode`, read once per plan."""
+        if stage not in self._code:
+            self._code[stage] = stage_code(self.repo, stage)
+        return self._code[stage]
 
     def job(self, stage: str, key: str) -> Job:
         try:
@@ -161,20 +179,19 @@ class Plan:
             raise KeyError(f"no {stage} output with key {key!r} in this config's plan (planned: {known})") from None
 
     def _add(self, stage: str, cfg: Mapping[str, Any], inputs: dict[str, Job]) -> Job:
+        code = self.code(stage)
         upstream = {job.stage: job.key for job in inputs.values()}
-        settings = _settings(stage, cfg)
-        key = stage_key(stage, settings, upstream)
+        settings = _settings(code, cfg)
+        key = stage_key(stage, settings, upstream, code.fingerprint)
         planned = self.jobs.setdefault(stage, {})
         if key not in planned:
             resolved: dict[str, Any] = {}
             for job in inputs.values():
-                resolved = _deep_union(resolved, {k: v for k, v in job.resolved.items() if k not in ("stage", "key", "upstream")})
-            resolved = _deep_union(resolved, settings)
-            resolved.update(stage=stage, key=key, upstream=upstream)
+                resolved = deep_union(resolved, {k: v for k, v in job.resolved.items() if k not in META_KEYS})
+            resolved = deep_union(resolved, settings)
+            resolved.update(stage=stage, key=key, upstream=upstream, code=code.record())
             path = f"{self.results}/{STAGE_DIRS[stage]}/{key}"
-            section = RESOURCES_FROM.get(stage, stage)
-            planned[key] = Job(stage, key, path, inputs, json.loads(canonical_json(resolved)),
-                               copy.deepcopy(cfg[section]["resources"]))
+            planned[key] = Job(stage, key, path, inputs, json.loads(canonical_json(resolved)), _run_settings(stage, cfg))
         return planned[key]
 
     def add_variant(self, variant: Variant) -> VariantPlan:
@@ -194,33 +211,43 @@ class Plan:
         self.variants[variant.name] = plan
         return plan
 
-    def configs(self) -> dict[str, dict[str, Any]]:
-        """Config file (path relative to results, without `.config.json`) -> its JSON content.
+    def files(self) -> dict[str, dict[str, Any]]:
+        """Each planned config and run settings file: path relative to results -> JSON content.
 
-        The report's file is named by its key, like every other: two invocations with different
-        ablation tables never overwrite each other's report config.
+        `<stage dir>/<key>.config.json` and `.run.json`; the report's are named by its key, like
+        every other: two invocations with different ablation tables never overwrite each other's.
         """
-        out = {f"{STAGE_DIRS[job.stage]}/{job.key}": job.resolved for jobs in self.jobs.values() for job in jobs.values()}
+        out: dict[str, dict[str, Any]] = {}
+        for jobs in self.jobs.values():
+            for job in jobs.values():
+                name = f"{STAGE_DIRS[job.stage]}/{job.key}"
+                out[name + CONFIG_SUFFIX], out[name + RUN_SUFFIX] = job.resolved, job.run
         report = self.report_config()
-        out[f"report.{report['key']}"] = report
+        out[f"report.{report['key']}{CONFIG_SUFFIX}"] = report  # the report has no run settings
         return out
 
     @property
     def report_config_path(self) -> str:
-        return f"{self.results}/report.{self.report_config()['key']}.config.json"
+        return f"{self.results}/report.{self.report_config()['key']}{CONFIG_SUFFIX}"
 
     def eval_paths(self) -> list[str]:
         return sorted(job.path for job in self.jobs.get("evaluate", {}).values())
 
     def report_config(self) -> dict[str, Any]:
-        """The report's RESOLVED.json: every variant's manifest."""
-        variants = {name: plan.manifest() for name, plan in self.variants.items()}
-        return {"stage": "report", "key": stage_key("report", variants, {}), "upstream": {}, "variants": variants}
+        """The report's resolved config: every variant's manifest, and the report's code record."""
+        code = self.code("report")
+        settings = _settings(code, {"variants": {name: plan.manifest() for name, plan in self.variants.items()}})
+        key = stage_key("report", settings, {}, code.fingerprint)
+        return {**settings, "stage": "report", "key": key, "upstream": {}, "code": code.record()}
 
 
-def build_plan(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR) -> Plan:
-    """The plan of a validated config and its ablation table (checked against `schema_dir`'s schemas)."""
-    plan = Plan(results=cfg["results"].rstrip("/"))
+def build_plan(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR, repo: str | Path = REPO_ROOT) -> Plan:
+    """The plan of a validated config and its ablation table (checked against `schema_dir`'s schemas).
+
+    `repo` holds the stage scripts and the `posttrain` sources whose code enters the keys: the
+    workflow's own directory.
+    """
+    plan = Plan(results=cfg["results"].rstrip("/"), repo=Path(repo).resolve())
     for variant in load_variants(cfg, schema_dir).values():
         plan.add_variant(variant)
     return plan

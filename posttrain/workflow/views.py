@@ -1,9 +1,10 @@
-"""The small files the workflow writes itself: resolved configs and the per-variant views.
+"""The small files the workflow writes itself: resolved configs, run settings and the per-variant views.
 
-The resolved configs are written while Snakemake parses the workflow (`write_plan_configs`), not by
-jobs: a stage's config is a pure function of its key, so the file is written once and never
-changes, and the report's changes exactly when the set of variants does. Writing only what
-differs keeps modification times, so a no-op run stays a no-op.
+The resolved configs and run settings are written while Snakemake parses the workflow
+(`write_plan_files`), not by jobs: a stage's config is a pure function of its key, so the file is
+written once and never changes, and the report's changes exactly when the set of variants does.
+Writing only what differs keeps modification times, so a no-op run stays a no-op. The run
+settings (`<key>.run.json`) are no rule input: rewriting them reruns nothing.
 
     python -m posttrain.workflow.views --manifest JSON --out results/variants/<name>
 """
@@ -44,9 +45,9 @@ def write_json(path: str | Path, value: Any) -> bool:
     return True
 
 
-def write_plan_configs(results: str, configs: Mapping[str, Mapping[str, Any]]) -> int:
-    """`<results>/<name>.config.json` for every planned config; returns how many were (re)written."""
-    return sum(write_json(f"{results}/{name}.config.json", cfg) for name, cfg in configs.items())
+def write_plan_files(results: str, files: Mapping[str, Mapping[str, Any]]) -> int:
+    """`<results>/<name>` for every planned file (`Plan.files()`); returns how many were (re)written."""
+    return sum(write_json(f"{results}/{name}", content) for name, content in files.items())
 
 
 def write_variant_view(out: str | Path, manifest: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ rule distill:
     output:
         stage_output("distill"),
     params:
+        script=script("distill"),
         launch=launcher,
     threads: stage_threads("distill")
     resources:
@@ -16,5 +17,5 @@ rule distill:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} --teacher {input.teacher:q} > {log:q} 2>&1"

@@ -4,6 +4,7 @@ rule dpo:
     output:
         stage_output("dpo"),
     params:
+        script=script("dpo"),
         launch=launcher,
     threads: stage_threads("dpo")
     resources:
@@ -15,5 +16,5 @@ rule dpo:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"

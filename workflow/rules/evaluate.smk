@@ -6,6 +6,7 @@ rule evaluate:
     output:
         stage_output("evaluate"),
     params:
+        script=script("evaluate"),
         launch=launcher,
     threads: stage_threads("evaluate")
     resources:
@@ -17,5 +18,5 @@ rule evaluate:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"

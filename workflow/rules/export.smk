@@ -6,6 +6,7 @@ rule export:
     output:
         stage_output("export"),
     params:
+        script=script("export"),
         launch=launcher,
     threads: stage_threads("export")
     resources:
@@ -17,5 +18,5 @@ rule export:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --model {input.model:q} --eval {input.eval:q} > {log:q} 2>&1"

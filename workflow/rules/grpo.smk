@@ -4,6 +4,7 @@ rule grpo:
     output:
         stage_output("grpo"),
     params:
+        script=script("grpo"),
         launch=launcher,
     threads: stage_threads("grpo")
     resources:
@@ -15,5 +16,5 @@ rule grpo:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} --model {input.model:q} --reward {input.reward:q} > {log:q} 2>&1"

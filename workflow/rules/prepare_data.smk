@@ -4,6 +4,7 @@ rule prepare_data:
     output:
         stage_output("prepare_data"),
     params:
+        script=script("prepare_data"),
         launch=launcher,
     threads: stage_threads("prepare_data")
     resources:
@@ -15,4 +16,4 @@ rule prepare_data:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"

@@ -3,7 +3,6 @@
 # path, previous model stage). Every table and figure goes into `snakemake --report` with its caption.
 rule report:
     input:
-        script=script("report"),
         config=PLAN.report_config_path,
         evals=PLAN.eval_paths(),
     output:
@@ -15,6 +14,7 @@ rule report:
             labels={"file": "{name}"},
         ),
     params:
+        script=script("report"),
         launch=launcher,
     log:
         f"{RESULTS}/logs/report.log",
@@ -24,4 +24,4 @@ rule report:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"

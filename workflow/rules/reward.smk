@@ -4,6 +4,7 @@ rule reward:
     output:
         stage_output("reward"),
     params:
+        script=script("reward"),
         launch=launcher,
     threads: stage_threads("reward")
     resources:
@@ -15,5 +16,5 @@ rule reward:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"

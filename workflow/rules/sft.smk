@@ -4,6 +4,7 @@ rule sft:
     output:
         stage_output("sft"),
     params:
+        script=script("sft"),
         launch=launcher,
     threads: stage_threads("sft")
     resources:
@@ -15,5 +16,5 @@ rule sft:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {input.script:q} --config {input.config:q} --out {output:q}"
+        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
         " --data {input.data:q} > {log:q} 2>&1"

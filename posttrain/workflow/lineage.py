@@ -1,6 +1,6 @@
 """A stage output's lineage: the chain of `posttrain.json` records through its upstream keys.
 
-Stage outputs live at `<results>/<stage dir>/<key>/` (`posttrain.workflow.plan.STAGE_DIRS`), and
+Stage outputs live at `<results>/<stage dir>/<key>/` (`posttrain.workflow.layout.STAGE_DIRS`), and
 each `posttrain.json` names its inputs as `upstream: {stage: key}`, so the folders an output was
 built from are found next to it without any other index.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.utils.io import PROVENANCE_FILE
-from posttrain.workflow.plan import STAGE_DIRS
+from posttrain.workflow.layout import STAGE_DIRS
 
 
 def read_provenance(folder: str | Path) -> dict[str, Any]:
