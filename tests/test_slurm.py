@@ -1,4 +1,5 @@
-"""The smoke pipeline on a real one-node Slurm cluster through `snakemake --profile slurm`, by name.
+"""A real two-node Slurm cluster on this machine: the smoke pipeline through `snakemake --profile slurm`
+(by name), and SFT on two nodes through the workflow's launcher.
 
 The session fixture installs Debian's `slurmctld slurmd slurm-client munge` when they are missing
 (root on Debian only; otherwise the test is skipped with the reason), starts munged, slurmctld and
@@ -18,7 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from posttrain.workflow.launch import LaunchSpec, command_prefix
+from sft_testing import SFT_SCRIPT, SMALL_SFT, prepare_data, resolved_config, run_sft, write_config
+from test_dpo_stage import DPO_SCRIPT, SHORT, dpo_config, run_dpo
 from snakemake_testing import job_counts
 from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
 
@@ -46,7 +52,7 @@ def slurm_cluster(tmp_path_factory):
     except ImportError:
         pytest.skip("snakemake-executor-plugin-slurm is not installed (pip install -e .)")
     install()
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=2)
     try:
         try:
             cluster.start()
@@ -165,3 +171,47 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir, tmp_path):
     planned = job_counts(output)
     assert set(planned) & set(TRAINING_RULES) == set(TRAINING_RULES) - {"prepare_data"}, planned
     assert planned["evaluate"] == len(MODEL_STAGES), planned
+
+
+def _on_two_nodes(cluster: LocalSlurm, tmp: Path, name: str, script: Path, *args: Path | str) -> list[str]:
+    """Run `script` as the workflow launches `resources: {nodes: 2}` (one CPU process a node) inside a
+    two-node allocation; the torchrun of each node, as a torchrun shim on PATH recorded it."""
+    shims = tmp / f"{name}-bin"
+    shims.mkdir()
+    log = tmp / f"{name}-torchrun.log"
+    (shims / "torchrun").write_text(f'#!/bin/sh\necho "$SLURMD_NODENAME $*" >> {log}\n'
+                                    f'exec {sys.executable} -m torch.distributed.run "$@"\n')
+    (shims / "torchrun").chmod(0o755)
+    prefix = command_prefix(LaunchSpec(nodes=2, procs=1, threads=1), str(REPO))
+    line = " ".join([prefix, str(script), *map(str, args)])
+    env = {**cluster.env, "PATH": f"{shims}:{Path(sys.executable).parent}:{cluster.env['PATH']}"}
+    start = time.perf_counter()
+    proc = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=2000",
+                           "sh", "-c", line], env=env, capture_output=True, text=True, timeout=600)
+    print(f"{name} on two Slurm nodes: {time.perf_counter() - start:.0f} s")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{cluster.logs()}"
+    return sorted(log.read_text().splitlines())
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    one, two = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
+
+
+def test_sft_and_dpo_on_two_nodes_match_two_processes_on_one(slurm_cluster, tmp_path):
+    """One torchrun per node, node k of the allocation holding node rank k (and so ranks 2k..: the
+    same ranks, data shards and gloo reductions as two processes on one node): the same weights, bitwise."""
+    data = prepare_data(tmp_path, {"n_preference": 64})
+    sft = resolved_config("sft", "two-nodes", sft={**SMALL_SFT, "steps": 4, "checkpoint_every": 2})
+    run_sft(sft, data, tmp_path / "sft-one-node", nproc=2)
+    launches = _on_two_nodes(slurm_cluster, tmp_path, "sft", SFT_SCRIPT, "--config", write_config(sft, tmp_path / "sft.json"),
+                             "--data", data, "--out", tmp_path / "sft-two-nodes")
+    assert [launch.split()[0] for launch in launches] == ["n1", "n2"], launches
+    assert all(f"--node-rank {rank} --master-addr 127.0.0.1" in launch for rank, launch in enumerate(launches)), launches
+    assert _same_weights(tmp_path / "sft-one-node", tmp_path / "sft-two-nodes")
+
+    dpo = dpo_config("two-nodes", **SHORT)
+    run_dpo(dpo, data, tmp_path / "sft-one-node", tmp_path / "dpo-one-node", nproc=2)
+    _on_two_nodes(slurm_cluster, tmp_path, "dpo", DPO_SCRIPT, "--config", write_config(dpo, tmp_path / "dpo.json"),
+                  "--data", data, "--model", tmp_path / "sft-one-node", "--out", tmp_path / "dpo-two-nodes")
+    assert _same_weights(tmp_path / "dpo-one-node", tmp_path / "dpo-two-nodes")

@@ -394,19 +394,24 @@ def test_multi_node_command():
     assert words[2:9] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=64",
                           "--gres=gpu:8", "--kill-on-bad-exit=1"]
     assert words[9:11] == ["sh", "-c"] and words[12] == "torchrun"
-    assert words[11].startswith("exec torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")
+    assert words[11].startswith('exec torchrun --nnodes 4 --nproc-per-node 8 --node-rank "$SLURM_NODEID"')
 
 
 def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
-    """Fake srun/scontrol/torchrun on PATH: each node's torchrun gets the same c10d endpoint and the
-    script's arguments intact (quoting survives `sh -c`)."""
+    """Fake srun/scontrol/torchrun on PATH: node k's torchrun is node rank k, every node gets the first
+    node's address (its NodeAddr, not its name) and a port offset by the job id, and the script's
+    arguments arrive intact (quoting survives `sh -c`)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
         # srun: run the command once per node with the variables srun sets for its tasks
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
                 'for node in 0 1; do SLURM_JOB_NODELIST="gpu[07-08]" SLURM_NODEID=$node "$@" || exit 1; done',
-        "scontrol": '[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"',
+        "scontrol": 'case "$*" in\n'
+                    '  "show hostnames gpu[07-08]") printf "gpu07\\ngpu08\\n" ;;\n'
+                    '  "show node gpu07 -o") echo "NodeName=gpu07 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=gpu07" ;;\n'
+                    '  *) exit 1 ;;\n'
+                    'esac',
         "torchrun": 'printf "%s\\n" "node=$SLURM_NODEID" "$@" >> "$TORCHRUN_LOG"',
     }
     for name, body in fakes.items():
@@ -417,9 +422,11 @@ def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "TORCHRUN_LOG": str(log)}
     subprocess.run(["bash", "-c", f"{prefix} stages/sft.py --config {shlex.quote('cfg dir/x.json')} --out o"],
                    env=env, check=True)
-    args = ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-id", "4242",
-            "--rdzv-endpoint", "gpu07:29500", "stages/sft.py", "--config", "cfg dir/x.json", "--out", "o"]
-    assert log.read_text().splitlines() == ["node=0", *args, "node=1", *args]
+    def args(rank: int) -> list[str]:
+        return ["--nnodes", "2", "--nproc-per-node", "4", "--node-rank", str(rank), "--master-addr", "10.0.0.7",
+                "--master-port", str(29500 + 4242), "stages/sft.py", "--config", "cfg dir/x.json", "--out", "o"]
+
+    assert log.read_text().splitlines() == ["node=0", *args(0), "node=1", *args(1)]
 
 
 def test_launch_spec_rejects_bad_values():

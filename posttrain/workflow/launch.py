@@ -3,7 +3,7 @@
     gpus 0, procs 1, one node   ->  python
     gpus 0, procs P > 1         ->  torchrun --standalone --nnodes 1 --nproc-per-node P   (gloo)
     gpus G >= 1, one node       ->  torchrun --standalone --nnodes 1 --nproc-per-node G
-    N > 1 nodes                 ->  srun (one task per node) torchrun --nnodes N ... c10d rendezvous
+    N > 1 nodes                 ->  srun (one task per node) torchrun --nnodes N --node-rank <node id> ...
 
 Every rule's shell line is `<prefix> stages/<stage>.py --config ... --out ...`. The prefix also sets
 PYTHONPATH to the checkout (so the scripts import the same `posttrain` as the workflow, also in a
@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-RDZV_PORT = 29500
+RDZV_PORT = 29500  # the master's port: this plus the job id modulo PORT_SPREAD
+PORT_SPREAD = 10000
 _GRES_GPUS = re.compile(r"^gpu(?::[A-Za-z0-9_.]+)?:(\d+)$")
 
 
@@ -93,12 +94,19 @@ def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
         return f"{env} python"
     if spec.nodes == 1:
         return f"{env} torchrun --standalone --nnodes 1 --nproc-per-node {spec.procs_per_node}"
-    # One torchrun per node. The rendezvous host is the allocation's first node, read inside each
-    # task (the jobstep strips SLURM_JOB_NODELIST from the job shell; srun sets it for its tasks).
+    # One torchrun per node, with a static rendezvous: node k of the allocation (SLURM_NODEID) is
+    # node rank k, so global ranks, seeds and data shards follow the node order, not who joined
+    # first (c10d would hand out node ranks by arrival). The master is the allocation's first node,
+    # at its Slurm NodeAddr (a node's name need not resolve), read inside each task: the jobstep
+    # strips SLURM_JOB_NODELIST from the job shell and srun sets it for its tasks. The port is offset
+    # by the job id, so two multi-node jobs that share a first node do not collide.
+    first_node = '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+    node_addr = f'"$(scontrol show node {first_node} -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p")"'
     torchrun = (
         f"exec torchrun --nnodes {spec.nodes} --nproc-per-node {spec.procs_per_node}"
-        ' --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID"'
-        f' --rdzv-endpoint "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):{spec.rdzv_port}"'
+        ' --node-rank "$SLURM_NODEID"'
+        f" --master-addr {node_addr}"
+        f' --master-port "$(({spec.rdzv_port} + $SLURM_JOB_ID % {PORT_SPREAD}))"'
         ' "$@"'
     )
     gres = f" --gres=gpu:{spec.gpus}" if spec.gpus else ""

@@ -1,8 +1,9 @@
-"""A one-node Slurm cluster on 127.0.0.1 for tests: Debian's packages, a private munged socket,
-free ports, and state in a temporary directory.
+"""A Slurm cluster of one or more nodes on 127.0.0.1 for tests: Debian's packages, a private munged
+socket, free ports, and state in a temporary directory.
 
-`LocalSlurm.start()` launches munged, slurmctld and slurmd in the foreground and keeps their
-`Popen` handles; `stop()` cancels this cluster's jobs and ends exactly those processes, by PID.
+`LocalSlurm.start()` launches munged, slurmctld and one slurmd per node (`slurmd -N n1`, `-N n2`,
+each on its own port; every node is this machine) in the foreground and keeps their `Popen`
+handles; `stop()` cancels this cluster's jobs and ends exactly those processes, by PID.
 A system munged is left alone: ours has its own socket.
 
 The config is also written to /etc/slurm/slurm.conf (and removed by `stop()`): the Snakemake
@@ -75,10 +76,11 @@ def node_line() -> tuple[str, str]:
 
 
 class LocalSlurm:
-    """munged + slurmctld + slurmd for one node, all under `root`; clients find it through `env`."""
+    """munged + slurmctld + a slurmd per node, all under `root`; clients find it through `env`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, nodes: int = 1):
         self.root = Path(root)
+        self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.conf = self.root / "slurm.conf"
         self.state = self.root / "state"
         self.processes: dict[str, subprocess.Popen] = {}
@@ -104,20 +106,24 @@ class LocalSlurm:
             self._lock = None
             raise ClusterBusy(f"another local test cluster holds {LOCK}") from None
         self.state.mkdir(parents=True)
-        for sub in ("ctld", "slurmd"):
-            (self.state / sub).mkdir()
+        for sub in ("ctld", *(f"slurmd/{node}" for node in self.nodes)):
+            (self.state / sub).mkdir(parents=True)
         socket_path = self._start_munged()
         line, name = node_line()
+        hardware = line.removeprefix(f"NodeName={name}")  # CPUs=... RealMemory=...
+        node_lines = "\n".join(f"NodeName={node} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 "
+                               f"Port={_free_port()}{hardware} State=UNKNOWN" for node in self.nodes)
         text = MARK + "\n" + string.Template(TEMPLATE.read_text()).substitute(
-            ctld_port=_free_port(), slurmd_port=_free_port(), munge_socket=socket_path, state=self.state,
-            node_line=line, node_name=name,
+            ctld_port=_free_port(), munge_socket=socket_path, state=self.state,
+            node_lines=node_lines, node_names=",".join(self.nodes),
         )
         self.conf.write_text(text)
         DEFAULT_CONF.parent.mkdir(parents=True, exist_ok=True)
         DEFAULT_CONF.write_text(text)  # unavailable_reason() made sure it was absent or ours
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
-        self._wait(lambda: self.sinfo_states() == ["idle"], timeout, "the node to be idle in sinfo")
+        for node in self.nodes:
+            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.conf), "-N", node])
+        self._wait(lambda: self.sinfo_states() == ["idle"] * len(self.nodes), timeout, "every node to be idle in sinfo")
 
     def _start_munged(self) -> Path:
         # Under /tmp (not pytest's root-only tmp dir): the munge user must reach its socket.
@@ -168,7 +174,7 @@ class LocalSlurm:
         """Cancel this cluster's jobs, then end the daemons this object started (slurmd first)."""
         if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
             subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True, timeout=30)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(f"slurmd-{node}" for node in self.nodes), "slurmctld", "munged"):
             proc = self.processes.get(name)
             if proc is None or proc.poll() is not None:
                 continue
