@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.training.resume import resume_dir
 from posttrain.workflow.launch import LaunchSpec, command_prefix
 from sft_testing import SFT_SCRIPT, SMALL_SFT, prepare_data, resolved_config, run_sft, write_config
 from test_dpo_stage import DPO_SCRIPT, SHORT, dpo_config, run_dpo
@@ -215,3 +216,51 @@ def test_sft_and_dpo_on_two_nodes_match_two_processes_on_one(slurm_cluster, tmp_
     _on_two_nodes(slurm_cluster, tmp_path, "dpo", DPO_SCRIPT, "--config", write_config(dpo, tmp_path / "dpo.json"),
                   "--data", data, "--model", tmp_path / "sft-one-node", "--out", tmp_path / "dpo-two-nodes")
     assert _same_weights(tmp_path / "dpo-one-node", tmp_path / "dpo-two-nodes")
+
+
+def _job_field(cluster: LocalSlurm, job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job, "-o"], env=cluster.env, capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith(f"{field}=")), "")
+
+
+def test_a_requeued_sft_job_resumes_to_the_weights_of_an_uninterrupted_run(slurm_cluster, tmp_path):
+    """`scontrol requeue`, as a preemption with requeue does it: Slurm SIGTERMs the running job, the
+    stage saves its resume state and exits, Slurm starts the job again under the same id, and the
+    rerun continues from that state to the weights of a run that was never interrupted."""
+    data = prepare_data(tmp_path)
+    cfg = resolved_config("sft", "requeue", sft={**SMALL_SFT, "steps": 150, "checkpoint_every": 1000, "log_every": 1})
+    run_sft(cfg, data, tmp_path / "uninterrupted")
+
+    out, log = tmp_path / "requeued", tmp_path / "requeued.log"
+    line = " ".join([command_prefix(LaunchSpec(threads=1), str(REPO)), str(SFT_SCRIPT),
+                     "--config", str(write_config(cfg, tmp_path / "requeue.json")), "--data", str(data), "--out", str(out)])
+    env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}:{slurm_cluster.env['PATH']}"}
+    job = subprocess.run(["sbatch", "--parsable", "--requeue", "--open-mode=append", f"--output={log}", "--nodes=1",
+                          "--ntasks=1", "--cpus-per-task=1", "--mem=2000", f"--wrap={line}"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    metrics = resume_dir(out) / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and sum(1 for row in metrics.read_text().splitlines() if '"loss"' in row) >= 10):
+        assert time.monotonic() < deadline and _job_field(slurm_cluster, job, "JobState") in ("PENDING", "RUNNING"), \
+            f"no training step logged: {log.read_text() if log.exists() else ''}\n{slurm_cluster.logs()}"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job], env=slurm_cluster.env, check=True, capture_output=True)
+    requeued = time.monotonic()
+    # Slurm holds a requeued job back for about two minutes (its begin time); a test releases it.
+    while _job_field(slurm_cluster, job, "JobState") != "PENDING":
+        assert time.monotonic() < deadline, f"{_job_field(slurm_cluster, job, 'JobState')}\n{log.read_text()}"
+        time.sleep(0.2)
+    release = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster.env,
+                             capture_output=True, text=True)
+    assert release.returncode == 0, release.stderr
+    while _job_field(slurm_cluster, job, "JobState") != "COMPLETED":
+        assert time.monotonic() < deadline and _job_field(slurm_cluster, job, "JobState") not in ("FAILED", "CANCELLED"), \
+            f"{_job_field(slurm_cluster, job, 'JobState')}\n{log.read_text()}\n{slurm_cluster.logs()}"
+        time.sleep(1)
+
+    print(f"requeued SFT job: done {time.monotonic() - requeued:.0f} s after the requeue")
+    text = log.read_text()
+    assert _job_field(slurm_cluster, job, "Restarts") == "1", text
+    assert "received SIGTERM: saved resume state at step" in text and "resuming from" in text, text
+    assert _same_weights(tmp_path / "uninterrupted", out)
+    assert not resume_dir(out).exists()
