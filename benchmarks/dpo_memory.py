@@ -119,6 +119,7 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], pairs: int, seq: int, 
     if threads:
         torch.set_num_threads(threads)
     from posttrain.dpo import OnlineReference, PrecomputedReference, pair_logprobs
+    from posttrain.losses.head import OutputHead
     from posttrain.parallel import build_mesh, init_distributed
     from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
 
@@ -127,16 +128,17 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], pairs: int, seq: int, 
     mesh = build_mesh(info)
     memory = cfg["memory"]
     model = build_model(None, hf_config, info, mesh, cfg, "full")
+    head = OutputHead(model, mesh, memory)
     batch = {k: v.to(info.device) for k, v in make_batch(pairs, seq, hf_config["vocab_size"]).items()}
     if cfg["dpo"]["reference"] == "precompute":
         with torch.no_grad():
-            ref = pair_logprobs(model, batch, mesh, memory)
+            ref = pair_logprobs(model, head, batch)
         reference = PrecomputedReference(ref.chosen.cpu(), ref.rejected.cpu())
     else:
         frozen = build_model(None, hf_config, info, mesh, cfg, "full").requires_grad_(False).eval()
-        reference = OnlineReference(frozen, mesh, memory)
+        reference = OnlineReference(frozen, OutputHead(frozen, mesh, memory))
     optimizer, _ = build_optimizer_and_scheduler(model, cfg["dpo"], memory)
-    state = {"model": model, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "reference": reference,
+    state = {"model": model, "head": head, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "reference": reference,
              "clip": max_grad_norm(cfg["dpo"]), "batch": batch, "base_mib": base_mib}
     train_step(state)  # warm-up
     return state
@@ -154,7 +156,7 @@ def train_step(state: dict[str, Any]) -> float:
 
     model, optimizer, batch, cfg = state["model"], state["optimizer"], state["batch"], state["cfg"]
     ref_chosen, ref_rejected = state["reference"](batch)
-    policy = pair_logprobs(model, batch, state["mesh"], cfg["memory"])
+    policy = pair_logprobs(model, state["head"], batch)
     loss, _ = dpo_loss(policy.chosen, policy.rejected, ref_chosen, ref_rejected, beta=cfg["dpo"]["beta"])
     loss.backward()
     if not isinstance(optimizer, OptimizerInBackward):

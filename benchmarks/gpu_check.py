@@ -207,9 +207,8 @@ def run_ours(args: argparse.Namespace) -> None:
             features = OUR_FEATURES + (("compile",) if compiled else ())
             state = peers_ours.setup_sft(folder, s, packed, documents=docs, features=features)
             out = _throughput(peers_ours.run(state), s)
-            note = getattr(state["stage"], "reason", "")
             del state
-            return {"features": list(features), **out, **({"note": note} if note else {})}
+            return {"features": list(features), **out}
 
         _check(name, variant, sft)
         print(f"[gpu_check] posttrain {name}: {json.dumps(sft[name])[:300]}", flush=True)

@@ -37,7 +37,7 @@ import torch
 from posttrain.checkpoint import save_hf_model
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import Tokenizer
-from posttrain.workflow.config import load_config
+from posttrain.workflow.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {"n_sft": 200, "n_preference": 8, "n_prompts": 256, "n_eval": 16, "max_seq_len": 64}

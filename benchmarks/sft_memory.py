@@ -4,7 +4,7 @@ The model has Qwen3's real vocabulary (151,936) and hidden size 512 (a few layer
 embeddings as Qwen3-0.6B); one row of `--seq` tokens (2048), 1/8 of them prompt (ignored by the
 loss). Each variant runs in a fresh process (`benchmarks/_memory.py`), built by the stage's own
 setup (`posttrain.training.setup.build_model` + `build_optimizer_and_scheduler`) and loss
-(`stages/sft.py: summed_loss`): one warm-up step in setup allocates optimizer states and loads
+(`posttrain.losses.head.summed_lm_loss`, as `stages/sft.py`): one warm-up step in setup allocates optimizer states and loads
 kernels, then one measured step (forward, loss, backward, clip, optimizer step).
 
 Reported per variant: `total` = memory held after setup (weights, gradients' absence, optimizer
@@ -17,7 +17,6 @@ The all-features/baseline ratio uses `total`. Target (issue 4): <= 0.5x.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -90,17 +89,10 @@ def variant_config(names: tuple[str, ...]) -> dict[str, Any]:
     return cfg
 
 
-def stage_module():
-    """stages/sft.py as a module: the benchmarks time and measure the stage's own loss."""
-    spec = importlib.util.spec_from_file_location("sft_stage", ROOT / "stages" / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
+    from posttrain.losses.head import OutputHead
     from posttrain.parallel import build_mesh, init_distributed
     from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
 
@@ -120,17 +112,18 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int
     }
     state = {
         "model": model, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "clip": max_grad_norm(cfg["sft"]),
-        "batch": {k: v.to(info.device) for k, v in batch.items()}, "stage": stage_module(),
+        "batch": {k: v.to(info.device) for k, v in batch.items()}, "head": OutputHead(model, mesh, cfg["memory"]),
     }
     train_step(state)  # warm-up: optimizer states, kernels, lazy inits (and torchao's compile)
     return state
 
 
 def train_step(state: dict[str, Any]) -> float:
+    from posttrain.losses.head import summed_lm_loss
     from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 
     model, optimizer, batch = state["model"], state["optimizer"], state["batch"]
-    loss = state["stage"].summed_loss(model, batch, state["mesh"], state["cfg"]["memory"])
+    loss = summed_lm_loss(model, state["head"], batch)
     tokens = int((batch["labels"] != -100).sum())
     (loss / tokens).backward()
     if not isinstance(optimizer, OptimizerInBackward):

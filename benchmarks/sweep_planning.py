@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def sweep_table(n: int) -> str:
-    rows = [f"v{i:02d}\t{2 + i % 5}\t{1e-6 * (1 + i // 5):.1e}\t{'true' if i % 2 else 'false'}" for i in range(n)]
-    return "variant\tgrpo.group_size\tgrpo.lr\tmemory.optimizer_in_backward\n" + "\n".join(rows) + "\n"
+    rows = [f"v{i:02d}\t{2 + i % 5}\t{1e-6 * (1 + i // 5):.1e}\t{i % 2}" for i in range(n)]
+    return "variant\tgrpo.group_size\tgrpo.lr\tmemory.activation_checkpointing\n" + "\n".join(rows) + "\n"
 
 
 def plan_seconds(variants: int) -> tuple[float, float]:

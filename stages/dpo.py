@@ -26,15 +26,12 @@ from it. The output is an HF model folder with `metrics.jsonl` and `posttrain.js
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.config import load_stage_config
-from posttrain.data.loader import Batches, preference_batches, preference_collate, prompt_batches
+from posttrain.data.loader import Batches, preference_batches, preference_collate, prompt_batches, to_device
 from posttrain.data.sources import DataError, canonical_rows, load_source
 from posttrain.data.store import Split
 from posttrain.data.tokenize import preference_split
@@ -53,41 +50,24 @@ from posttrain.dpo import (
 )
 from posttrain.evaluation import eval_pairs
 from posttrain.losses.dpo import preference_loss
+from posttrain.losses.head import OutputHead
+from posttrain.models import Transformer
 from posttrain.models.lora import disable_adapters
-from posttrain.optim import OptimizerInBackward, clip_grad_norm_
-from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed, loss_context
+from posttrain.parallel import barrier
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.export import save_final_model
-from posttrain.training.faults import NonFiniteLossGuard, exit_on_known_errors, explain_out_of_memory, kill_if_requested
-from posttrain.training.resume import Checkpointer, StopOnSignal
-from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm, model_config, seed_everything
+from posttrain.training.harness import StageRun, run_main
+from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, non_pad_tokens
-from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 STAGE = "dpo"
 READS = ("seed", "model.dtype", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
+INPUTS = {
+    "data": "prepared data folder (results/data/<key>)",
+    "model": "starting model: the SFT output folder (also the reference)",
+    "pairs": "on-policy pairs file of the reward stage (needed with dpo.pairs: on_policy)",
+}
 STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected",
                 "nll/chosen")
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config (JSON)")
-    parser.add_argument("--out", required=True, help="output model folder (results/dpo/<key>)")
-    parser.add_argument("--data", required=True, help="prepared data folder (results/data/<key>)")
-    parser.add_argument("--model", required=True, help="starting model: the SFT output folder (also the reference)")
-    parser.add_argument("--pairs", help="on-policy pairs file of the reward stage (needed with dpo.pairs: on_policy)")
-    return parser.parse_args()
-
-
-def micro_batch_size(dpo: dict[str, Any], dp_size: int) -> int:
-    """Global pairs per micro-batch; refuses sizes that do not split evenly."""
-    batch, accum = int(dpo["batch_size"]), int(dpo["grad_accum"])
-    if batch % (accum * dp_size):
-        raise ValueError(
-            f"dpo.batch_size ({batch}) must be divisible by dpo.grad_accum ({accum}) x data-parallel processes ({dp_size})"
-        )
-    return batch // accum
 
 
 def on_policy_pairs(path: str, tok: Tokenizer, data_cfg: dict[str, Any]) -> Split:
@@ -139,165 +119,106 @@ def pair_loss(dpo: dict[str, Any], policy: PairLogps,
     )
 
 
+def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train: Batches, held_out: Split,
+                     pair_files: list[Path], precompute: bool) -> dict[str, torch.Tensor]:
+    """The starting model's log-probs of the held-out pairs (and, with `precompute`, of every training pair).
+
+    Runs before any checkpoint is loaded, so the weights are the starting model's; cached in the
+    resume state, so a resumed run does not score again.
+    """
+    dpo = run.section
+    cache_path = reference_cache_path(run.out)
+    expected = fingerprint(key=run.cfg["key"], model=model_files(run.args.model), pairs=file_stats(pair_files),
+                           rows=len(train.dataset), held_out=len(held_out), loss=dpo["loss"], reference=dpo["reference"],
+                           mixed_precision=run.memory["mixed_precision"])
+    cached = load_cache(cache_path, expected)
+    if cached is not None:
+        return cached
+    rows_per_rank = run.micro_batch_size() // run.dp_size
+    splits = {"eval": (held_out, "reference: held-out pairs")} if len(held_out) else {}
+    if precompute:
+        splits["train"] = (train.dataset, "reference: training pairs")
+    cached = {}
+    with disable_adapters(model):
+        for name, (dataset, desc) in splits.items():
+            ref = score_pairs(model, head, dataset, train.collate, rows_per_rank, run.device, desc, run.is_main)
+            cached.update({f"{name}_chosen": ref.chosen, f"{name}_rejected": ref.rejected,
+                           f"{name}_chosen_tokens": ref.chosen_tokens, f"{name}_rejected_tokens": ref.rejected_tokens})
+    if run.is_main and cached:
+        save_cache(cache_path, cached, expected)
+    barrier()
+    return cached
+
+
 def main() -> None:
-    args = parse_args()
-    started = time.time()
-    cfg = load_stage_config(args.config, READS, __file__)
-    dpo, memory = cfg["dpo"], cfg["memory"]
-    steps, accum = int(dpo["steps"]), int(dpo["grad_accum"])
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("pairs",))
+    cfg, dpo, args = run.cfg, run.section, run.args
+    accum = int(dpo["grad_accum"])
     uses_reference = dpo["loss"] != "simpo"
     per_token = dpo["loss"] in ("ipo", "simpo")
+    hf_config = model_config(args.model, run.tokenizer)
+    model = run.build_model(args.model, hf_config, dpo["method"], dpo["lora"])
+    head = OutputHead(model, run.mesh, run.memory)
 
-    # --- setup: processes, model, optimizer, data ---
-    info = init_distributed()
-    mesh = build_mesh(info, tp=cfg["parallel"]["tp"], dp_replicate=cfg["parallel"]["dp_replicate"])
-    dp_rank, dp_size = data_parallel_rank(mesh)
-    seed_everything(cfg["seed"])
-    tokenizer = Tokenizer(Path(args.data) / "tokenizer")
-    hf_config = model_config(args.model, tokenizer)
-    model = build_model(args.model, hf_config, info, mesh, cfg, dpo["method"], dpo["lora"])
+    micro = run.micro_batch_size()
+    train, pair_files = training_pairs(args, cfg, run.tokenizer, micro, run.dp_rank, run.dp_size)
+    held_out = held_out_pairs(args.data, run.tokenizer, int(cfg["data"]["max_seq_len"]), cfg["seed"])
+    optimization = run.optimization(model)
 
-    micro = micro_batch_size(dpo, dp_size)
-    rows_per_rank = micro // dp_size
-    train, pair_files = training_pairs(args, cfg, tokenizer, micro, dp_rank, dp_size)
-    held_out = held_out_pairs(args.data, tokenizer, int(cfg["data"]["max_seq_len"]), cfg["seed"])
-    optimizer, scheduler = build_optimizer_and_scheduler(model, dpo, memory)
-    in_backward = isinstance(optimizer, OptimizerInBackward)
-    clip = max_grad_norm(dpo)
-    checkpointer = Checkpointer(args.out, every=dpo["checkpoint_every"], key=cfg["key"])
-
-    # --- reference pass: runs before any checkpoint is loaded, so the weights are the starting model's ---
-    cache_path = reference_cache_path(args.out)
-    expected = fingerprint(key=cfg["key"], model=model_files(args.model), pairs=file_stats(pair_files),
-                           rows=len(train.dataset), held_out=len(held_out), loss=dpo["loss"], reference=dpo["reference"],
-                           mixed_precision=memory["mixed_precision"])
-    cached = load_cache(cache_path, expected)
-    if cached is None:
-        def score(dataset: Split, desc: str) -> PairLogps:
-            return score_pairs(model, dataset, train.collate, rows_per_rank, mesh, memory, info.device, desc,
-                               info.is_main)
-
-        cached = {}
-        with disable_adapters(model):
-            if len(held_out):
-                ref = score(held_out, "reference: held-out pairs")
-                cached.update(eval_chosen=ref.chosen, eval_rejected=ref.rejected,
-                              eval_chosen_tokens=ref.chosen_tokens, eval_rejected_tokens=ref.rejected_tokens)
-            if uses_reference and dpo["reference"] == "precompute":
-                ref = score(train.dataset, "reference: training pairs")
-                cached.update(train_chosen=ref.chosen, train_rejected=ref.rejected)
-        if info.is_main and cached:
-            save_cache(cache_path, cached, expected)
-        barrier()
+    precompute = uses_reference and dpo["reference"] == "precompute"
+    cached = reference_scores(run, model, head, train, held_out, pair_files, precompute)
     held_out_ref = (PairLogps(cached["eval_chosen"], cached["eval_rejected"], cached["eval_chosen_tokens"],
                               cached["eval_rejected_tokens"]) if len(held_out) else None)
-
     reference: PrecomputedReference | OnlineReference | None = None
-    if uses_reference and dpo["reference"] == "precompute":
+    if precompute:
         reference = PrecomputedReference(cached["train_chosen"], cached["train_rejected"])
     elif uses_reference and dpo["method"] == "full":
-        frozen = build_model(args.model, hf_config, info, mesh, cfg, "full").requires_grad_(False).eval()
-        reference = OnlineReference(frozen, mesh, memory, release=True)
+        frozen = run.frozen_model(args.model, hf_config)
+        reference = OnlineReference(frozen, OutputHead(frozen, run.mesh, run.memory), release=True)
     elif uses_reference:
-        reference = OnlineReference(model, mesh, memory)  # LoRA/QLoRA: the policy with its adapters disabled
+        reference = OnlineReference(model, head)  # LoRA/QLoRA: the policy with its adapters disabled
 
-    # --- resume state, logging ---
-    resumed = checkpointer.load(model, optimizer, scheduler)
-    start_step = 0
-    if resumed is not None:
-        train.load_state_dict(resumed.data_state)
-        start_step = resumed.step
-        if info.is_main:
-            truncate_after(checkpointer.metrics_path, start_step)
-            print(f"resuming from {resumed.path} at step {start_step}", flush=True)
-    metrics = MetricsLogger(checkpointer.metrics_path, enabled=info.is_main, loggers=cfg["loggers"],
-                            run_name=f"{STAGE}-{cfg['key']}", config=cfg)
-    stop = StopOnSignal()
-    guard = NonFiniteLossGuard(dpo["skip_nonfinite"], "dpo.skip_nonfinite", skip_possible=not in_backward)
-    likelihood_acc_sft = likelihood_accuracy(held_out_ref, per_token) if held_out_ref is not None else None
-    if resumed is None and likelihood_acc_sft is not None:
-        metrics.log(0, {"eval/likelihood_acc": likelihood_acc_sft})
+    run.resume(model, optimization, train)
+    before = run.measure_before(lambda: {} if held_out_ref is None else {
+        "eval/likelihood_acc": likelihood_accuracy(held_out_ref, per_token)})
 
-    # --- training loop ---
-    bar = progress_bar(steps, start_step, info.is_main, STAGE)
-    record: dict[str, float] = {}
-    with explain_out_of_memory(STAGE):
-        for step in range(start_step + 1, steps + 1):
-            t0 = time.perf_counter()
-            reset_peak_memory(info.device)
-            batches = [{k: v.to(info.device, non_blocking=True) for k, v in next(train).items()} for _ in range(accum)]
-            sums = dict.fromkeys(("loss", *STEP_METRICS), 0.0)
-            for batch in batches:
-                with loss_context(mesh):
-                    ref = reference(batch) if reference is not None else None
-                    policy = pair_logprobs(model, batch, mesh, memory)
-                    loss, pair_metrics = pair_loss(dpo, policy, ref)
-                    # FSDP2 averages gradients over data-parallel ranks: each rank's mean over its
-                    # pairs, averaged over micro-batches and ranks, is the mean over the step's pairs.
-                    (loss / accum).backward()
-                pairs = len(policy.chosen)
-                sums["loss"] += float(loss.detach()) * pairs
-                for name in STEP_METRICS:
-                    sums[name] += float(pair_metrics[name]) * pairs
-            useful = sum(non_pad_tokens(b[f"{side}_input_ids"], tokenizer.pad_id)
-                         for b in batches for side in ("chosen", "rejected"))
-            totals = data_parallel_sum([*sums.values(), useful], mesh, info.device)
-            global_pairs = int(dpo["batch_size"])
-            record = {name: value / global_pairs for name, value in zip(sums, totals)}
+    record: dict[str, Any] = {}
+    for step in run.steps():
+        batches = [to_device(next(train), run.device) for _ in range(accum)]
+        sums = dict.fromkeys(("loss", *STEP_METRICS), 0.0)
+        for batch in batches:
+            with head.context():
+                ref = reference(batch) if reference is not None else None
+                policy = pair_logprobs(model, head, batch)
+                loss, pair_metrics = pair_loss(dpo, policy, ref)
+                # Each rank's mean over its pairs, counted accum x dp times in the step: the mean over the step's pairs.
+                optimization.backward(loss, per=accum * run.dp_size)
+            pairs = len(policy.chosen)
+            sums["loss"] += float(loss.detach()) * pairs
+            for name in STEP_METRICS:
+                sums[name] += float(pair_metrics[name]) * pairs
+        useful = sum(non_pad_tokens(b[f"{side}_input_ids"], run.tokenizer.pad_id)
+                     for b in batches for side in ("chosen", "rejected"))
+        totals = data_parallel_sum([*sums.values(), useful], run.mesh, run.device)
+        record = {name: value / int(dpo["batch_size"]) for name, value in zip(sums, totals)}
+        record.update(optimization.step(step, record["loss"]))
+        record["tokens_per_s"] = totals[-1] / run.seconds()
+        run.log_step(step, record, postfix={"loss": ".4f", "rewards/accuracy": ".2f"})
 
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = None if in_backward else clip_grad_norm_(model.parameters(), clip)
-            if guard.should_skip(step, record["loss"], grad_norm, checkpointer.latest()):
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-
-            seconds = time.perf_counter() - t0
-            record.update(lr=lr, tokens_per_s=totals[-1] / seconds, peak_memory_mb=peak_memory_mb(info.device))
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
-            metrics.log(step, record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracy']:.2f}", refresh=False)
-            if info.is_main and step % dpo["log_every"] == 0:
-                bar.write(f"step {step}/{steps} " + json.dumps({k: round(v, 6) for k, v in record.items()}))
-
-            saved = checkpointer.save(step, model, optimizer, scheduler, train.state_dict()) if checkpointer.due(step, steps) else None
-            if step < steps and stop.requested():
-                saved = saved or checkpointer.save(step, model, optimizer, scheduler, train.state_dict())
-                bar.close()
-                metrics.close()
-                stop.exit(step, saved)
-            kill_if_requested(step)
-    bar.close()
-
-    # --- held-out preference accuracy, final HF folder, resume state removed ---
-    summary: dict[str, Any] = {"steps": steps, "reference": dpo["reference"] if uses_reference else None,
+    summary: dict[str, Any] = {"steps": run.total_steps, "reference": dpo["reference"] if uses_reference else None,
                                "train_loss_last": record.get("loss"), "train_reward_acc_last": record.get("rewards/accuracy")}
     if held_out_ref is not None:
-        policy = score_pairs(model, held_out, train.collate, rows_per_rank, mesh, memory, info.device,
-                             "held-out pairs", info.is_main)
+        policy = score_pairs(model, head, held_out, train.collate, micro // run.dp_size, run.device, "held-out pairs",
+                             run.is_main)
         _, pair_metrics = pair_loss(dpo, policy, (held_out_ref.chosen, held_out_ref.rejected) if uses_reference else None)
         evaluation = {"pref_acc": float(pair_metrics["rewards/accuracy"]), "pref_margin": float(pair_metrics["rewards/margin"]),
                       "likelihood_acc": likelihood_accuracy(policy, per_token)}
-        metrics.log(steps, {f"eval/{k}": v for k, v in evaluation.items()})
-        summary.update(evaluation, likelihood_acc_sft=likelihood_acc_sft, pref_pairs=len(held_out))
+        run.log(run.total_steps, {f"eval/{k}": v for k, v in evaluation.items()})
+        summary.update(evaluation, likelihood_acc_sft=before["eval/likelihood_acc"], pref_pairs=len(held_out))
     else:
         summary.update(pref_acc=None, pref_acc_note=f"{args.data}: no eval row carries response and rejected_response")
-    metrics.close()
-    save_final_model(
-        args.out, model, hf_config=hf_config, tokenizer=tokenizer, cfg=cfg, started=started, summary=summary,
-        metrics_path=checkpointer.metrics_path, is_main=info.is_main, base_model=args.model,
-    )
-    checkpointer.remove()
-    stop.restore()
-    if info.is_main:
-        print(json.dumps({"out": args.out, **summary}), flush=True)
-    destroy()
+    run.finish(model, hf_config, summary, base_model=args.model)
 
 
 if __name__ == "__main__":
-    with exit_on_known_errors(STAGE):
-        main()
+    run_main(STAGE, main)

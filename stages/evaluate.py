@@ -24,7 +24,6 @@ Output (written to a temporary sibling and renamed when complete):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -32,25 +31,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from posttrain.checkpoint import load_hf_model
-from posttrain.config import load_stage_config
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
+from posttrain.evaluation.completions import GENERATION_BATCH, complete
 from posttrain.evaluation.lm_eval import run_lm_eval
 from posttrain.generation import SamplingParams
-from posttrain.generation.backend import GenerationBackend, NativeBackend
+from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer
 from posttrain.rewards.verifiers import load_verifiers, score
+from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.layout import MODEL_STAGES
 from posttrain.workflow.lineage import read_provenance, upstream_folder
 
+STAGE = "evaluate"
 READS = ("seed", "data.max_seq_len", "reward.verifiers", "eval")  # verifiers decide what counts as correct
-GENERATION_BATCH = 64  # sequences per generate() call
+INPUTS = {
+    "data": "prepare_data output folder",
+    "model": "model folder (HF layout with posttrain.json)",
+    "reference": "reference model of a DPO model (default: its upstream model folder)",
+}
 SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs
 LOGGED_PROMPTS = 16  # prompts written to samples.jsonl
 
@@ -68,19 +72,6 @@ def eval_rows(data_dir: Path, n: int, seed: int) -> list[dict[str, Any]]:
     if len(rows) < n:
         print(f"evaluate: eval.n_prompts={n} but the eval split has {len(rows)} rows; evaluating all of them")
     return rows[:n]
-
-
-def complete(backend: GenerationBackend, prompts: list[list[int]], params: SamplingParams, seed: int,
-             desc: str) -> tuple[list[list[int]], list[str]]:
-    """Generated ids and finish reasons per prompt, GENERATION_BATCH at a time (chunk i seeded `seed + i`)."""
-    tokens: list[list[int]] = []
-    reasons: list[str] = []
-    starts = range(0, len(prompts), GENERATION_BATCH)
-    for i, start in enumerate(tqdm(starts, desc=desc, unit="batch", mininterval=1.0)):
-        out = backend.generate(prompts[start : start + GENERATION_BATCH], params, seed + i)
-        tokens += out.tokens
-        reasons += out.finish_reasons
-    return tokens, reasons
 
 
 def reference_folder(model_dir: Path, record: dict[str, Any], override: str | None) -> Path:
@@ -122,13 +113,7 @@ def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config (JSON)")
-    parser.add_argument("--data", required=True, help="prepare_data output folder")
-    parser.add_argument("--model", required=True, help="model folder (HF layout with posttrain.json)")
-    parser.add_argument("--out", required=True, help="output directory (results/eval/<key>)")
-    parser.add_argument("--reference", help="reference model of a DPO model (default: its upstream model folder)")
-    args = parser.parse_args()
+    args = parse_inputs(STAGE, INPUTS, optional=("reference",))
     started = time.time()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("evaluate runs in one process; set eval.resources to at most one GPU and procs: 1")
@@ -191,7 +176,7 @@ def main() -> None:
                 }, ensure_ascii=False) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
         summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}
-        write_provenance(out, cfg, "evaluate", started, summary)
+        write_provenance(out, cfg, STAGE, started, summary)
     print(json.dumps({"out": args.out, **summary}))
 
 

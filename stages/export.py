@@ -19,7 +19,6 @@ with `export.dry_run: true` (default) the files that would be uploaded are liste
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -27,16 +26,18 @@ from pathlib import Path
 from safetensors import safe_open
 
 from posttrain.checkpoint import CheckpointError, load_hf_model, save_hf_model, weight_files
-from posttrain.config import load_stage_config
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
+from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.export import DTYPES
+from posttrain.training.final_model import DTYPES
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import lineage, read_provenance
 
+STAGE = "export"
 READS = ("export",)
+INPUTS = {"model": "model folder to export", "eval": "an evaluate output folder"}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -63,12 +64,7 @@ def generation_config(model_dir: Path, tok: Tokenizer) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config (JSON)")
-    parser.add_argument("--model", required=True, help="model folder to export")
-    parser.add_argument("--eval", action="append", default=[], help="an evaluate output folder (repeatable)")
-    parser.add_argument("--out", required=True, help="output directory (results/export/<key>)")
-    args = parser.parse_args()
+    args = parse_inputs(STAGE, INPUTS, repeatable=("eval",))
     started = time.time()
     cfg = load_stage_config(args.config, READS, __file__)
     ex = cfg["export"]
@@ -102,7 +98,7 @@ def main() -> None:
         summary = {"stage": record["stage"], "model_key": record["key"], "dtype": ex["dtype"], "int8": ex["int8"]}
         if ex["push_to_hub"]:
             summary["push"] = push_plan(out, ex["push_to_hub"], ex["dry_run"], extra=(PROVENANCE_FILE,))
-        write_provenance(out, cfg, "export", started, summary)
+        write_provenance(out, cfg, STAGE, started, summary)
         if ex["push_to_hub"]:
             plan = summary["push"]
             if ex["dry_run"]:

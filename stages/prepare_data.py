@@ -17,7 +17,6 @@ training text. Output (written to a temporary sibling and renamed when complete)
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -25,18 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint import resolve_model_source
-from posttrain.config import load_stage_config
 from posttrain.data.sources import KINDS, TASK_COLUMNS, DataError, canonical_rows, load_source
 from posttrain.data.store import write_split
 from posttrain.data.tasks import make_splits
 from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text
 from posttrain.models import is_preset
+from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.training.faults import exit_on_known_errors
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
+STAGE = "prepare_data"
 READS = ("seed", "model.policy", "model.tokenizer", "data")
+INPUTS = {}  # the first stage: no upstream inputs, only --config and --out
 SOURCE_KEYS = {"kind", "path", "split", "subset", "revision", "columns"}
 ON_BAD_ROW = ("error", "skip")
 
@@ -84,10 +85,7 @@ def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config (JSON)")
-    parser.add_argument("--out", required=True, help="output directory (results/data/<key>)")
-    args = parser.parse_args()
+    args = parse_inputs(STAGE, INPUTS)
     started = time.time()
     cfg = load_stage_config(args.config, READS, __file__)
     data, seed = cfg["data"], cfg["seed"]
@@ -123,10 +121,10 @@ def main() -> None:
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         summary = {f"{name}_rows": s["rows"] for name, s in splits.items()}
         summary["sft_packing_efficiency"] = splits["sft"]["packing_efficiency"]
-        write_provenance(out, cfg, "prepare_data", started, summary)
+        write_provenance(out, cfg, STAGE, started, summary)
     print(json.dumps({"out": args.out, **summary}))
 
 
 if __name__ == "__main__":
-    with exit_on_known_errors("prepare_data"):
+    with exit_on_known_errors(STAGE):
         main()

@@ -22,57 +22,28 @@ Captions for Snakemake's HTML report: workflow/report/*.rst.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from typing import Any
 
-from posttrain.config import StageConfig, load_stage_config
-from posttrain.evaluation.curves import OBJECTIVES, objective_curves
+from posttrain.evaluation.curves import objective_curves
 from posttrain.evaluation.effects import effect_metrics, effects_table
 from posttrain.evaluation.machine import machine_info
 from posttrain.evaluation.plots import plot_eval_metrics, plot_objective_curves, plot_stage_effects
-from posttrain.evaluation.summary import stage_records, summary_rows, summary_table
+from posttrain.evaluation.report_inputs import read_report_config, stage_runs
+from posttrain.evaluation.summary import summary_rows, summary_table
+from posttrain.stage_config import parse_inputs
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
+STAGE = "report"
 READS = ("variants",)
-MANIFEST_KEYS = ("stages", "eval", "previous")
-
-
-def read_report_config(path: str) -> StageConfig:
-    cfg = load_stage_config(path, READS, __file__)
-    if not isinstance(cfg.get("variants"), dict) or not cfg["variants"]:
-        raise ValueError(f"report config {path}: needs a non-empty 'variants' mapping (name -> manifest)")
-    for name, manifest in cfg["variants"].items():
-        missing = [k for k in MANIFEST_KEYS if k not in manifest]
-        if missing:
-            raise ValueError(f"report config {path}: variant {name!r} lacks {', '.join(missing)}")
-    return cfg
-
-
-def stage_runs(variants: dict[str, Any]) -> dict[str, dict[str, tuple[list[str], list[dict]]]]:
-    """{stage: {key: (variant names, metrics.jsonl records)}} of the stages with objective curves:
-    each stage output read once."""
-    runs: dict[str, dict[str, tuple[list[str], list[dict]]]] = {}
-    for name, manifest in variants.items():
-        for stage, ref in manifest["stages"].items():
-            if stage not in OBJECTIVES:
-                continue
-            by_key = runs.setdefault(stage, {})
-            if ref["key"] not in by_key:
-                by_key[ref["key"]] = ([], stage_records(ref["path"]))
-            by_key[ref["key"]][0].append(name)
-    return runs
+INPUTS = {}  # its config names every input (the variants' stage and eval folders)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="report config (results/report.config.json)")
-    parser.add_argument("--out", required=True, help="output directory (results/report)")
-    args = parser.parse_args()
+    args = parse_inputs(STAGE, INPUTS)
     started = time.time()
-    cfg = read_report_config(args.config)
+    cfg = read_report_config(args.config, READS, __file__)
 
     rows = summary_rows(cfg["variants"])
     table = summary_table(rows)
@@ -86,7 +57,7 @@ def main() -> None:
         plot_eval_metrics(rows, metrics, out / "eval_metrics.png")
         plot_stage_effects(effects, metrics, out / "stage_effects.png")
         (out / "machine.json").write_text(json.dumps(machine_info(cfg["variants"]), indent=2) + "\n", encoding="utf-8")
-        write_provenance(out, cfg, "report", started, {"rows": len(rows), "variants": len(cfg["variants"])})
+        write_provenance(out, cfg, STAGE, started, {"rows": len(rows), "variants": len(cfg["variants"])})
     print(json.dumps({"out": args.out, "rows": len(rows), "variants": len(cfg["variants"])}))
 
 

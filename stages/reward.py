@@ -24,6 +24,12 @@ Reads the config keys in `READS` (and `loggers`, for the reward model's training
 5. On-policy pairs: for each prompt whose samples' rewards differ, the best sample (chosen) and the
    worst (rejected); ties go to the earliest sample.
 
+One process (`reward.resources`: one node, at most one GPU). Resume state lives in `<out>.resume/`:
+the reward model's checkpoints (every `reward.checkpoint_every` steps and on SIGTERM, with the
+non-finite guard `reward.skip_nonfinite`), the trained reward model, and every finished sampling
+call (each call is seeded on its own, so a rerun skips the finished ones and gives the same
+output); rerunning the same command continues from it.
+
 Output (written to a temporary sibling and renamed when complete; identical for the same seed):
     rollouts.parquet      one row per sample: prompt_index, prompt_id, sample, prompt (rendered
                           text), completion, prompt_ids, completion_ids, logprobs, finish_reason,
@@ -41,11 +47,12 @@ Output (written to a temporary sibling and renamed when complete; identical for 
 
 from __future__ import annotations
 
-import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +61,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posttrain.checkpoint import load_hf_model
-from posttrain.config import load_stage_config
 from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import load_split
 from posttrain.evaluation.scoring import is_correct
-from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend
+from posttrain.generation import GenerationBackend, SamplingParams
+from posttrain.generation.backend import build_backend
 from posttrain.losses.bradley_terry import bradley_terry_loss
-from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.rewards import (
     RewardModel,
     VerifierError,
@@ -72,11 +77,10 @@ from posttrain.rewards import (
     score_sequences,
     scored_lengths,
 )
-from posttrain.tokenizer import Tokenizer
-from posttrain.training.faults import exit_on_known_errors
-from posttrain.training.setup import build_optimizer_and_scheduler, seed_everything
+from posttrain.training.faults import kill_if_requested
+from posttrain.training.harness import StageRun, run_main
+from posttrain.training.resume import ResultLog, resume_dir
 from posttrain.utils.io import atomic_dir
-from posttrain.utils.metrics import MetricsLogger, progress_bar
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
@@ -84,18 +88,22 @@ STAGE = "reward"
 READS = ("seed", "model.dtype", "data.max_seq_len", "memory", "reward")  # data.max_seq_len: the vLLM context
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
+INPUTS = {"data": "prepare_data output (results/data/<key>)", "model": "policy HF folder (the dpo stage's output)"}
 RM_HELD_OUT = 0.1  # share of preference pairs held out for the reward model's accuracy
 RM_EVAL_BATCH = 64
-RM_LOG_EVERY = 25
+RM_EVAL_EVERY = 25  # steps between held-out accuracy measurements (and at the last step)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config (JSON)")
-    parser.add_argument("--data", required=True, help="prepare_data output (results/data/<key>)")
-    parser.add_argument("--model", required=True, help="policy HF folder (the dpo stage's output)")
-    parser.add_argument("--out", required=True, help="output directory (results/reward/<key>)")
-    return parser.parse_args()
+def rm_training(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The reward model's training settings, as the harness takes a stage's section (no steps without one)."""
+    reward = cfg["reward"]
+    return {
+        "steps": reward["rm_steps"] if reward["reward_model"] else 0, "batch_size": reward["rm_batch_size"],
+        "grad_accum": 1, "lr": reward["rm_lr"], "warmup_steps": reward["rm_steps"] // 10, "min_lr_ratio": 0.1,
+        "max_grad_norm": None if cfg["memory"]["optimizer_in_backward"] else 1.0,
+        "skip_nonfinite": reward["skip_nonfinite"], "checkpoint_every": reward["checkpoint_every"],
+        "log_every": reward["log_every"],
+    }
 
 
 def pass_rate_band(reward_cfg: dict[str, Any]) -> tuple[float, float]:
@@ -136,90 +144,96 @@ def pairwise_accuracy(model: RewardModel, pairs: Any, pad_id: int, device: torch
     return float(np.mean(wins))
 
 
-def train_reward_model(
-    cfg: dict[str, Any], data_dir: str, model_dir: str, pad_id: int, device: torch.device, metrics_path: Path
-) -> tuple[RewardModel, dict[str, Any]]:
+def train_reward_model(run: StageRun, model_dir: str) -> tuple[RewardModel, dict[str, Any]]:
     """Bradley-Terry training on the `preference` split; returns the model and its accuracy numbers."""
-    reward, seed = cfg["reward"], cfg["seed"]
-    seed_everything(seed)
+    data_dir, seed, pad_id, device = run.args.data, run.cfg["seed"], run.tokenizer.pad_id, run.device
     model = load_reward_model(model_dir, device=device)
     pairs = load_split(data_dir, "preference")
     order = np.random.default_rng([seed, len(pairs)]).permutation(len(pairs))
     n_held = max(1, int(len(pairs) * RM_HELD_OUT))
-    if len(pairs) - n_held < reward["rm_batch_size"]:
+    if len(pairs) - n_held < run.section["batch_size"]:
         raise ValueError(
             f"{data_dir}/preference: {len(pairs)} pairs leave fewer than reward.rm_batch_size "
-            f"({reward['rm_batch_size']}) to train on after holding out {n_held}"
+            f"({run.section['batch_size']}) to train on after holding out {n_held}"
         )
     held_out = pairs.select(np.sort(order[:n_held]))
-    train = Batches(pairs.select(np.sort(order[n_held:])), reward["rm_batch_size"], preference_collate(pad_id), seed=seed)
-    schedule = {"lr": reward["rm_lr"], "steps": reward["rm_steps"], "warmup_steps": reward["rm_steps"] // 10,
-                "min_lr_ratio": 0.1, "max_grad_norm": None if cfg["memory"]["optimizer_in_backward"] else 1.0}
-    optimizer, scheduler = build_optimizer_and_scheduler(model, schedule, cfg["memory"])
-    clip = schedule["max_grad_norm"]
+    train = Batches(pairs.select(np.sort(order[n_held:])), run.section["batch_size"], preference_collate(pad_id), seed=seed)
+    optimization = run.optimization(model)
 
-    metrics = MetricsLogger(metrics_path, loggers=cfg["loggers"], run_name=f"{STAGE}-rm-{cfg['key']}", config=cfg)
-    accuracy_before = pairwise_accuracy(model, held_out, pad_id, device)
-    metrics.log(0, {"rm/held_out_accuracy": accuracy_before})
-    bar = progress_bar(reward["rm_steps"], 0, True, "reward model")
-    for step in range(1, reward["rm_steps"] + 1):
+    run.resume(model, optimization, train)
+    before = run.measure_before(lambda: {"rm/held_out_accuracy": pairwise_accuracy(model, held_out, pad_id, device)})
+    record: dict[str, Any] = {}
+    for step in run.steps():
         chosen, rejected = pair_rewards(model, next(train), device)
         loss, stats = bradley_terry_loss(chosen, rejected)
-        loss.backward()
-        grad_norm = clip_grad_norm_(model.parameters(), clip) if not isinstance(optimizer, OptimizerInBackward) else None
-        record = {"rm/loss": loss.item(), "rm/lr": scheduler.get_last_lr()[0], **{f"rm/{k}": v.item() for k, v in stats.items()}}
-        if grad_norm is not None:
-            record["rm/grad_norm"] = grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if step % RM_LOG_EVERY == 0 or step == reward["rm_steps"]:
+        optimization.backward(loss)
+        record = {"rm/loss": loss.item(), **{f"rm/{k}": v.item() for k, v in stats.items()}}
+        record.update({f"rm/{k}": v for k, v in optimization.step(step, record["rm/loss"]).items()})
+        if step % RM_EVAL_EVERY == 0 or step == run.total_steps:
             record["rm/held_out_accuracy"] = pairwise_accuracy(model, held_out, pad_id, device)
-            bar.set_postfix(loss=f"{record['rm/loss']:.4f}", acc=f"{record['rm/held_out_accuracy']:.3f}", refresh=False)
-        metrics.log(step, record)
-        bar.update(1)
-    bar.close()
-    metrics.close()
+        run.log_step(step, record, postfix={"rm/loss": ".4f"})
+    run.metrics.close()
     model.eval()
     return model, {
-        "rm_held_out_accuracy_before": accuracy_before,
+        "rm_held_out_accuracy_before": before["rm/held_out_accuracy"],
         "rm_held_out_accuracy": record["rm/held_out_accuracy"],
         "rm_train_loss_last": record["rm/loss"],
-        "rm_steps": reward["rm_steps"],
+        "rm_steps": run.total_steps,
         "rm_train_pairs": len(pairs) - n_held,
         "rm_held_out_pairs": n_held,
     }
 
 
+def trained_reward_model(run: StageRun, model_dir: str) -> tuple[RewardModel, dict[str, Any], Path]:
+    """The reward model, trained now or by an earlier run of this stage that was stopped later on (its copy
+    in the resume state), with its stats and folder (HF sequence-classification layout, tokenizer, metrics)."""
+    folder = resume_dir(run.out) / "rm"
+    if (folder / "posttrain.json").is_file():
+        return load_reward_model(folder, device=run.device).eval(), read_provenance(folder)["metrics"], folder
+    model, stats = train_reward_model(run, model_dir)
+    with atomic_dir(folder) as tmp:
+        save_reward_model(model, tmp, run.tokenizer.pad_id, dtype=getattr(torch, run.cfg["model"]["dtype"]))
+        run.tokenizer.save(tmp)
+        shutil.copyfile(run.checkpointer.metrics_path, tmp / "metrics.jsonl")
+        write_provenance(tmp, run.cfg, STAGE, run.started, stats)
+    return model, stats, folder
+
+
 # --- 2. sampling ------------------------------------------------------------------------------
 
 
-def build_backend(name: str, model_dir: str, tok: Tokenizer, cfg: dict[str, Any], device: torch.device) -> GenerationBackend:
-    if name == "native":
-        model = load_hf_model(model_dir, device=device).eval()
-        return NativeBackend(model, tok.pad_id, tok.decode, max_batch_size=GENERATION_BATCH)
-    if name == "vllm":
-        max_len = int(cfg["data"]["max_seq_len"]) + int(cfg["reward"]["max_new_tokens"])
-        return VLLMBackend(model_dir, seed=cfg["seed"], max_model_len=max_len)
-    raise ValueError(f"reward.backend must be native or vllm, got {name!r}")
+def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: SamplingParams
+           ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """`k` completions per prompt, prompt after prompt (sample j of prompt i at index i * k + j).
 
-
-def sample(backend: GenerationBackend, prompt_ids: list[list[int]], k: int, params: SamplingParams, seed: int,
-           per_call: int) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """`k` completions per prompt, prompt after prompt (sample j of prompt i at index i * k + j)."""
+    Call c of the backend is seeded `seed + c`; finished calls are kept in the resume state, so
+    a rerun after SIGTERM (or a kill) continues with the next one.
+    """
+    reward, seed = run.cfg["reward"], int(run.cfg["seed"])
+    k = int(reward["samples_per_prompt"])
+    per_call = VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH
     prompts_per_call = max(1, per_call // k)
-    tokens: list[list[int]] = []
-    logprobs: list[list[float]] = []
-    reasons: list[str] = []
+    starts = range(0, len(prompt_ids), prompts_per_call)
+    log = ResultLog(run.out, "samples.jsonl", run.cfg["key"])
+    backend: GenerationBackend | None = None
     with tqdm(total=len(prompt_ids), desc="sample", unit="prompt", dynamic_ncols=True, mininterval=1.0) as bar:
-        for call, start in enumerate(range(0, len(prompt_ids), prompts_per_call)):
+        for call, start in enumerate(starts):
             chunk = prompt_ids[start : start + prompts_per_call]
-            out = backend.generate([p for p in chunk for _ in range(k)], params, seed + call)
-            tokens += out.tokens
-            logprobs += out.logprobs
-            reasons += out.finish_reasons
+            if call not in log.done:
+                if backend is None:  # only when a call is left (vLLM takes a while to start)
+                    max_len = int(run.cfg["data"]["max_seq_len"]) + int(reward["max_new_tokens"])
+                    backend = build_backend(reward["backend"], model_dir, pad_id=run.tokenizer.pad_id,
+                                            decode=run.tokenizer.decode, device=run.device, seed=seed,
+                                            max_model_len=max_len, max_batch_size=GENERATION_BATCH,
+                                            setting="reward.backend")
+                out = backend.generate([p for p in chunk for _ in range(k)], params, seed + call)
+                log.add(call, [out.tokens, out.logprobs, out.finish_reasons])
+                if call + 1 < len(starts) and run.stop.requested():
+                    run.stop.exit(call, log.path)
+                kill_if_requested(run.total_steps + call + 1)  # tests: sampling call c is step rm_steps + c + 1
             bar.update(len(chunk))
-    return tokens, logprobs, reasons
+    done = [log.done[call] for call in range(len(starts))]
+    return [t for d in done for t in d[0]], [lp for d in done for lp in d[1]], [r for d in done for r in d[2]]
 
 
 # --- 3. scoring -------------------------------------------------------------------------------
@@ -283,15 +297,48 @@ def as_messages(prompt: Any) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
 
+def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
+                  logprobs: list[list[float]], reasons: list[str], completions: list[str],
+                  components: list[dict[str, float]], first_verifier: str, k: int, tok: Any, key: str | None) -> pd.DataFrame:
+    """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k)."""
+    rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
+    return pd.DataFrame({
+        "prompt_index": [i // k for i in range(len(tokens))],
+        "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
+        "sample": [i % k for i in range(len(tokens))],
+        "prompt": [rendered[i // k] for i in range(len(tokens))],
+        "completion": completions,
+        "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
+        "completion_ids": tokens,
+        "logprobs": logprobs,
+        "finish_reason": reasons,
+        **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
+        "reward": [sum(c.values()) for c in components],
+        "correct": [is_correct(c, first_verifier) for c in components],
+        "policy_key": [key] * len(tokens),
+    })
+
+
+def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd.DataFrame:
+    """`pass_rates.parquet`: one row per prompt."""
+    grouped = rollouts.groupby("prompt_index", sort=True)
+    return pd.DataFrame({
+        "prompt_index": range(len(rows)),
+        "prompt_id": [r["id"] for r in rows],
+        "task": [r["task"] for r in rows],
+        "samples": k,
+        "correct": grouped["correct"].sum().astype(int).to_numpy(),
+        "pass_rate": grouped["correct"].mean().to_numpy(),
+        "reward_mean": grouped["reward"].mean().to_numpy(),
+        "reward_std": grouped["reward"].std(ddof=0).to_numpy(),
+    })
+
+
 def main() -> None:
-    args = parse_args()
-    started = time.time()
-    cfg = load_stage_config(args.config, READS, __file__)
-    reward, seed = cfg["reward"], cfg["seed"]
+    run = StageRun(STAGE, READS, INPUTS, __file__, section=rm_training, one_process=True)
+    cfg, reward, args, tok = run.cfg, run.cfg["reward"], run.args, run.tokenizer
     band = pass_rate_band(reward)
     k = int(reward["samples_per_prompt"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tok = Tokenizer(Path(args.data) / "tokenizer")
     split = load_split(args.data, "prompts")
     n = int(reward["n_prompts"])
     if n > len(split):
@@ -301,104 +348,73 @@ def main() -> None:
     key = policy_key(args.model)
     timing: dict[str, float] = {}
 
+    # 1. the reward model
+    rm, rm_stats, rm_folder = None, {}, None
+    if reward["reward_model"]:
+        t0 = time.perf_counter()
+        rm, rm_stats, rm_folder = trained_reward_model(run, args.model)
+        timing["rm_train_s"] = time.perf_counter() - t0
+
+    # 2./3. samples and their rewards
+    params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
+                            stop_token_ids=tok.eos_ids)
+    prompt_ids = [list(r["prompt_ids"]) for r in rows]
+    t0 = time.perf_counter()
+    tokens, logprobs, reasons = sample(run, args.model, prompt_ids, params)
+    timing["sample_s"] = time.perf_counter() - t0
+    completions = tok.decode_batch(tokens)
+    components = verifier_rewards(completions, examples, k, list(reward["verifiers"]))
+    if rm is not None:
+        sequences = [prompt_ids[i // k] + t for i, t in enumerate(tokens)]
+        for c, value in zip(components, score_sequences(rm, sequences, tok.pad_id)):
+            c["rm"] = value
+    rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components,
+                             reward["verifiers"][0], k, tok, key)
+
+    # 4./5. GRPO prompts and on-policy pairs
+    rates = pass_rates(rollouts, rows, k)
+    keep, fallback = grpo_prompts(rates, band)
+    if fallback:
+        print(f"{STAGE}: warning: {fallback}", file=sys.stderr, flush=True)
+    kept = pd.DataFrame(rows)[keep.to_numpy()].assign(prompt_index=rates["prompt_index"][keep], pass_rate=rates["pass_rate"][keep])
+    pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in range(n)})
+
+    lengths = [len(t) for t in tokens]
+    stats = {
+        "policy_key": key,
+        "backend": reward["backend"],
+        "n_prompts": n,
+        "samples_per_prompt": k,
+        "rollouts": len(tokens),
+        "reward_mean": float(rollouts["reward"].mean()),
+        "reward_mean_by_component": {name: float(rollouts[f"reward/{name}"].mean()) for name in components[0]},
+        "correct_rate": float(rollouts["correct"].mean()),
+        "pass_rate_mean": float(rates["pass_rate"].mean()),
+        "never_solved": int((rates["pass_rate"] == 0).sum()),
+        "always_solved": int((rates["pass_rate"] == 1).sum()),
+        "pass_rate_band": [band[0], band[1]],
+        "grpo_prompts": int(keep.sum()),
+        "grpo_prompts_fallback": fallback,
+        "pairs": len(pairs),
+        "response_len_mean": statistics.fmean(lengths),
+        "truncated": statistics.fmean(r == "length" for r in reasons),
+        **rm_stats,
+    }
+    timing["rollouts_per_s"] = len(tokens) / timing["sample_s"]
+    timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
     with atomic_dir(args.out) as out:
-        rm, rm_stats = None, {}
-        if reward["reward_model"]:
-            t0 = time.perf_counter()
-            rm, rm_stats = train_reward_model(cfg, args.data, args.model, tok.pad_id, device, out / "rm" / "metrics.jsonl")
-            save_reward_model(rm, out / "rm", tok.pad_id, dtype=getattr(torch, cfg["model"]["dtype"]))
-            tok.save(out / "rm")
-            write_provenance(out / "rm", cfg, STAGE, started, rm_stats)
-            timing["rm_train_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        backend = build_backend(reward["backend"], args.model, tok, cfg, device)
-        timing["backend_start_s"] = time.perf_counter() - t0
-        params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
-                                stop_token_ids=tok.eos_ids)
-        prompt_ids = [list(r["prompt_ids"]) for r in rows]
-        t0 = time.perf_counter()
-        per_call = VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH
-        tokens, logprobs, reasons = sample(backend, prompt_ids, k, params, seed, per_call)
-        timing["sample_s"] = time.perf_counter() - t0
-        del backend
-
-        completions = tok.decode_batch(tokens)
-        components = verifier_rewards(completions, examples, k, list(reward["verifiers"]))
-        first_verifier = reward["verifiers"][0]
-        if rm is not None:
-            sequences = [prompt_ids[i // k] + t for i, t in enumerate(tokens)]
-            for c, value in zip(components, score_sequences(rm, sequences, tok.pad_id)):
-                c["rm"] = value
-
-        rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
-        rollouts = pd.DataFrame({
-            "prompt_index": [i // k for i in range(len(tokens))],
-            "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
-            "sample": [i % k for i in range(len(tokens))],
-            "prompt": [rendered[i // k] for i in range(len(tokens))],
-            "completion": completions,
-            "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
-            "completion_ids": tokens,
-            "logprobs": logprobs,
-            "finish_reason": reasons,
-            **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
-            "reward": [sum(c.values()) for c in components],
-            "correct": [is_correct(c, first_verifier) for c in components],
-            "policy_key": [key] * len(tokens),
-        })
-
-        grouped = rollouts.groupby("prompt_index", sort=True)
-        rates = pd.DataFrame({
-            "prompt_index": range(n),
-            "prompt_id": [r["id"] for r in rows],
-            "task": [r["task"] for r in rows],
-            "samples": k,
-            "correct": grouped["correct"].sum().astype(int).to_numpy(),
-            "pass_rate": grouped["correct"].mean().to_numpy(),
-            "reward_mean": grouped["reward"].mean().to_numpy(),
-            "reward_std": grouped["reward"].std(ddof=0).to_numpy(),
-        })
-        keep, fallback = grpo_prompts(rates, band)
-        if fallback:
-            print(f"{STAGE}: warning: {fallback}", file=sys.stderr, flush=True)
-        kept = pd.DataFrame(rows)[keep.to_numpy()].assign(prompt_index=rates["prompt_index"][keep], pass_rate=rates["pass_rate"][keep])
-        pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in range(n)})
-
+        if rm_folder is not None:
+            shutil.copytree(rm_folder, out / "rm")
         rollouts.to_parquet(out / "rollouts.parquet", index=False)
         rates.to_parquet(out / "pass_rates.parquet", index=False)
         kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)
         pairs.to_parquet(out / "pairs.parquet", index=False)
-
-        lengths = [len(t) for t in tokens]
-        stats = {
-            "policy_key": key,
-            "backend": reward["backend"],
-            "n_prompts": n,
-            "samples_per_prompt": k,
-            "rollouts": len(tokens),
-            "reward_mean": float(rollouts["reward"].mean()),
-            "reward_mean_by_component": {name: float(rollouts[f"reward/{name}"].mean()) for name in components[0]},
-            "correct_rate": float(rollouts["correct"].mean()),
-            "pass_rate_mean": float(rates["pass_rate"].mean()),
-            "never_solved": int((rates["pass_rate"] == 0).sum()),
-            "always_solved": int((rates["pass_rate"] == 1).sum()),
-            "pass_rate_band": [band[0], band[1]],
-            "grpo_prompts": int(keep.sum()),
-            "grpo_prompts_fallback": fallback,
-            "pairs": len(pairs),
-            "response_len_mean": statistics.fmean(lengths),
-            "truncated": statistics.fmean(r == "length" for r in reasons),
-            **rm_stats,
-        }
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        timing["rollouts_per_s"] = len(tokens) / timing["sample_s"]
-        timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
-        write_provenance(out, cfg, STAGE, started, {**stats, **timing})
+        write_provenance(out, cfg, STAGE, run.started, {**stats, **timing})
+    run.done()
     print(json.dumps({"out": args.out, **{k_: stats[k_] for k_ in ("rollouts", "pass_rate_mean", "grpo_prompts", "pairs")},
                       "rollouts_per_s": round(timing["rollouts_per_s"], 2)}), flush=True)
 
 
 if __name__ == "__main__":
-    with exit_on_known_errors(STAGE, extra=(VerifierError,)):
-        main()
+    run_main(STAGE, main, extra_errors=(VerifierError,))

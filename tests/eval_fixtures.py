@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import runpy
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -21,17 +20,14 @@ DATA_KEY = "d0d0d0d0d0d0"
 DPO_CFG = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5}
 
 
-def load_stage(name: str) -> ModuleType:
-    """stages/<name>.py as a fresh module (so a test can replace its globals before `main()`)."""
-    spec = importlib.util.spec_from_file_location(f"stage_{name}", REPO / "stages" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_stage(stage: str, argv: list, monkeypatch) -> None:
+    """Run stages/<stage>.py in this process as its command line does (`python stages/<stage>.py ARGV`).
 
-
-def run_stage(module: ModuleType, argv: list[str], monkeypatch) -> None:
-    monkeypatch.setattr(sys, "argv", [module.__file__, *map(str, argv)])
-    module.main()
+    To replace a function the stage uses, monkeypatch it on its `posttrain` module first: the script's
+    `from posttrain... import` runs here, so it picks up the replacement."""
+    script = REPO / "stages" / f"{stage}.py"
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def write_config(path: Path, cfg: dict) -> Path:
@@ -52,8 +48,8 @@ def make_data(results: Path, monkeypatch, n_eval: int = 12) -> Path:
                  "on_bad_row": "error"},
     }
     out = results / "data" / DATA_KEY
-    run_stage(load_stage("prepare_data"), ["--config", write_config(results / "data" / f"{DATA_KEY}.config.json", cfg),
-                                           "--out", out], monkeypatch)
+    run_stage("prepare_data", ["--config", write_config(results / "data" / f"{DATA_KEY}.config.json", cfg),
+                               "--out", out], monkeypatch)
     return out
 
 

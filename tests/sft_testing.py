@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.checkpoint import read_safetensors, weight_files
-from posttrain.workflow.config import load_config
+from posttrain.workflow.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT_SCRIPT = ROOT / "stages" / "sft.py"

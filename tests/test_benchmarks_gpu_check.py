@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
@@ -58,31 +57,3 @@ def test_trl_missing_is_reported_not_failed(tmp_path, monkeypatch, capsys):
     assert gpu_check.report(args) == 1
     assert "all_reduce" in json.loads((tmp_path / "gpu_check.json").read_text())["failed"]
 
-
-def test_library_sft_loss_matches_the_stage(monkeypatch):
-    """Without `datasets` (GPU image) the SFT step takes its loss from the library: it must equal the stage's."""
-    import _posttrain_step
-    import sft_memory
-
-    from posttrain.models import Transformer, document_positions, preset_config
-
-    torch.manual_seed(0)
-    model = Transformer(preset_config("tiny-student", vocab_size=128))
-    ids = torch.randint(1, 128, (2, 33))
-    documents = torch.tensor([[0] * 10 + [1] * 21 + [2]] * 2)
-    labels = ids[:, 1:].clone()
-    labels[:, :4] = -100
-    batch = {"input_ids": ids[:, :-1], "labels": labels, "document_ids": documents,
-             "position_ids": document_positions(documents)}
-    memory = {"chunked_ce": True, "ce_chunks": 4}
-    stage = _posttrain_step.sft_loss_module()
-    assert not getattr(stage, "reason", "")  # datasets is installed here: the stage's own loss
-
-    def unavailable():
-        raise ImportError("No module named 'datasets'")
-
-    monkeypatch.setattr(sft_memory, "stage_module", unavailable)
-    fallback = _posttrain_step.sft_loss_module()
-    assert "datasets" in fallback.reason
-    expected = stage.summed_loss(model, batch, None, memory)
-    assert fallback.summed_loss(model, batch, None, memory).item() == pytest.approx(expected.item(), rel=1e-6)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,15 +13,15 @@ import pyarrow as pa
 import pytest
 import torch
 import yaml
+from eval_fixtures import run_stage
 
 from posttrain.data.chat import IGNORE_INDEX
 from posttrain.data.loader import preference_batches, prompt_batches, sft_batches
-from posttrain.data.sources import BadRowError
 from posttrain.data.store import Split, load_split, write_split
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.config import validate_config
+from posttrain.workflow.schema import validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / "stages" / "prepare_data.py"
@@ -42,12 +41,8 @@ def _write_config(cfg: dict, path: Path) -> Path:
 
 
 def _run_in_process(cfg: dict, tmp: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    spec = importlib.util.spec_from_file_location("prepare_data_stage", STAGE)
-    stage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage)
     config = _write_config(cfg, tmp / f"config-{out.name}.json")
-    monkeypatch.setattr(sys, "argv", ["prepare_data.py", "--config", str(config), "--out", str(out)])
-    stage.main()
+    run_stage("prepare_data", ["--config", config, "--out", out], monkeypatch)
     return out
 
 
@@ -163,7 +158,8 @@ def test_preference_and_prompt_batches(default_data: Path) -> None:
                                            add_generation_prompt=True)
 
 
-def test_user_sources_with_folder_tokenizer_and_bad_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_sources_with_folder_tokenizer_and_bad_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     train_bpe_tokenizer([f"Compute {a} + 1. #### {a + 1}" for a in range(200)], 300, model)
     sft = tmp_path / "sft.jsonl"
@@ -185,8 +181,11 @@ def test_user_sources_with_folder_tokenizer_and_bad_rows(tmp_path: Path, monkeyp
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
 
     cfg["data"]["on_bad_row"] = "error"
-    with pytest.raises(BadRowError, match=rf"{sft}: row 7: field response is missing"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # a bad row is a known error: one line, exit 1
         _run_in_process(cfg, tmp_path, tmp_path / "out2", monkeypatch)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"prepare_data: error: {sft}: row 7: field response is missing"
     assert not list(tmp_path.glob("out2*"))  # nothing half-written
 
 

@@ -5,7 +5,6 @@ student a quarter of the teacher's size learns the task from it better than from
 from __future__ import annotations
 
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,9 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from distill_testing import distill_config, random_model_folder, run_distill
-from eval_fixtures import load_stage
+from eval_fixtures import run_stage
 from posttrain.checkpoint import load_hf_model
+from posttrain.distill import VocabularyMismatchError, check_same_vocabulary, distill_loss, student_config
+from posttrain.evaluation.greedy import first_eval_rows, greedy_accuracy
 from posttrain.losses.chunked import IGNORE_INDEX
+from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV
@@ -24,7 +26,6 @@ from posttrain.training.resume import resume_dir
 from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 from test_losses_kd import naive_divergence, rel_err
 
-STAGE = load_stage("distill")
 VOCAB = 97
 
 
@@ -70,7 +71,8 @@ def test_stage_loss_equals_full_logits(kind, beta, temperature, ce_weight, chunk
     distill = {"loss": kind, "jsd_beta": beta, "temperature": temperature}
     memory = {"chunked_ce": chunked, "ce_chunks": 5}
 
-    got, parts = STAGE.distill_loss(student, teacher, batch, distill, memory, mesh=None, ce_weight=ce_weight)
+    got, parts = distill_loss(student, OutputHead(student, None, memory), teacher, OutputHead(teacher, None, memory), batch,
+                              distill, ce_weight)
     got_grads = torch.autograd.grad(got, list(student.parameters()))
     ref = _full_logits_loss(student, teacher, batch, kind, beta, temperature, ce_weight)
     ref_grads = torch.autograd.grad(ref, list(student.parameters()))
@@ -95,8 +97,8 @@ def test_vocabulary_mismatch_stops_naming_both(tmp_path, monkeypatch, capsys):
     # Output heads of different widths (same tokenizer): both sides and both sizes are named.
     wide = random_model_folder(tmp_path / "wide-student", data_tok, preset="tiny-student", vocab_size=data_tok.vocab_size + 64)
     wide_cfg = json.loads((wide / "config.json").read_text())
-    with pytest.raises(STAGE.VocabularyMismatchError) as err:
-        STAGE.check_same_vocabulary(data_tok, teacher, teacher_cfg, str(wide), wide_cfg)
+    with pytest.raises(VocabularyMismatchError) as err:
+        check_same_vocabulary(data_tok, teacher, teacher_cfg, str(wide), wide_cfg)
     message = str(err.value)
     assert str(teacher) in message and str(wide) in message
     assert str(teacher_cfg["vocab_size"]) in message and str(wide_cfg["vocab_size"]) in message
@@ -104,15 +106,15 @@ def test_vocabulary_mismatch_stops_naming_both(tmp_path, monkeypatch, capsys):
     # A student (or teacher) folder whose tokenizer is not the data's.
     foreign = random_model_folder(tmp_path / "foreign-student", other_tok, preset="tiny-student",
                                   vocab_size=teacher_cfg["vocab_size"])
-    with pytest.raises(STAGE.VocabularyMismatchError, match="student's tokenizer") as err:
-        STAGE.check_same_vocabulary(data_tok, teacher, teacher_cfg, str(foreign), teacher_cfg)
+    with pytest.raises(VocabularyMismatchError, match="student's tokenizer") as err:
+        check_same_vocabulary(data_tok, teacher, teacher_cfg, str(foreign), teacher_cfg)
     assert str(foreign) in str(err.value) and str(data_tok.folder) in str(err.value)
-    with pytest.raises(STAGE.VocabularyMismatchError, match="teacher's tokenizer"):
-        STAGE.check_same_vocabulary(data_tok, foreign, teacher_cfg, "tiny-student", teacher_cfg)
+    with pytest.raises(VocabularyMismatchError, match="teacher's tokenizer"):
+        check_same_vocabulary(data_tok, foreign, teacher_cfg, "tiny-student", teacher_cfg)
 
     # Same tokenizer and width: accepted; a preset student takes the teacher's width.
-    STAGE.check_same_vocabulary(data_tok, teacher, teacher_cfg, "tiny-student", teacher_cfg)
-    assert STAGE.student_config("tiny-student", data_tok, wide_cfg)["vocab_size"] == wide_cfg["vocab_size"]
+    check_same_vocabulary(data_tok, teacher, teacher_cfg, "tiny-student", teacher_cfg)
+    assert student_config("tiny-student", data_tok, wide_cfg)["vocab_size"] == wide_cfg["vocab_size"]
 
     # Through the command line: one line naming both sides, exit status 1, nothing written.
     cfg = distill_config("mismatch")
@@ -120,11 +122,9 @@ def test_vocabulary_mismatch_stops_naming_both(tmp_path, monkeypatch, capsys):
     config = tmp_path / "mismatch.json"
     config.write_text(json.dumps(cfg))
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["distill.py", "--config", str(config), "--data", str(tmp_path / "data"),
-                                      "--teacher", str(teacher), "--out", str(out)])
     with pytest.raises(SystemExit) as exit_info:
-        with STAGE.exit_on_known_errors(STAGE.STAGE, extra=(STAGE.VocabularyMismatchError,)):
-            STAGE.main()
+        run_stage("distill", ["--config", config, "--data", tmp_path / "data", "--teacher", teacher, "--out", out],
+                  monkeypatch)
     assert exit_info.value.code == 1
     stderr = capsys.readouterr().err
     assert stderr.startswith("distill: error:") and str(teacher) in stderr and str(wide) in stderr
@@ -277,8 +277,8 @@ def kd_against_labels(tmp: Path, data: Path, teacher: Path, seed: int, threads: 
         kd_run.result(), sft_run.result()
     summary = json.loads((tmp / "kd" / "posttrain.json").read_text())["metrics"]
     tok = Tokenizer(data / "tokenizer")
-    prompts, examples = STAGE.first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
-    labels_only = STAGE.greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
+    prompts, examples = first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
+    labels_only = greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
                                         kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
     return {"teacher": summary["teacher_accuracy"], "kd": summary["student_accuracy"], "labels_only": labels_only,
             "size_ratio": summary["teacher_params"] / summary["student_params"]}

@@ -23,6 +23,7 @@ from posttrain.dpo import (
 from posttrain.checkpoint import save_hf_model
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.dpo import dpo_loss
+from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, preset_config
 from posttrain.models.lora import apply_lora
 from posttrain.tokenizer import Tokenizer
@@ -69,9 +70,9 @@ def test_dpo_loss_on_a_real_batch_equals_full_logits(pairs, vocab):
     assert batch["chosen_input_ids"].shape[0] == 6
     policy, reference = _model(0, vocab), _model(1, vocab)
 
-    ours = pair_logprobs(policy, batch, None, MEMORY)
+    ours = pair_logprobs(policy, OutputHead(policy, None, MEMORY), batch)
     with torch.no_grad():
-        ref = pair_logprobs(reference, batch, None, MEMORY)
+        ref = pair_logprobs(reference, OutputHead(reference, None, MEMORY), batch)
     loss, _ = dpo_loss(ours.chosen, ours.rejected, ref.chosen, ref.rejected, beta=0.5)
     (grad,) = torch.autograd.grad(loss, policy.model.embed_tokens.weight)
 
@@ -94,11 +95,12 @@ def test_score_pairs_covers_every_row_in_order(pairs, vocab):
     """A scoring pass with a short last slice (padded forwards) returns each row's own log-probs."""
     model = _model(0, vocab)
     n = len(pairs.dataset)
-    scored = score_pairs(model, pairs.dataset, pairs.collate, 5, None, MEMORY, torch.device("cpu"), "test", False)
+    scored = score_pairs(model, OutputHead(model, None, MEMORY), pairs.dataset, pairs.collate, 5, torch.device("cpu"), "test",
+                         False)
     assert scored.chosen.shape == (n,) and n % 5
     rows = np.array([3, 0, n - 1])
     with torch.no_grad():
-        direct = pair_logprobs(model, pairs.collate(pairs.dataset[rows], rows), None, MEMORY)
+        direct = pair_logprobs(model, OutputHead(model, None, MEMORY), pairs.collate(pairs.dataset[rows], rows))
     torch.testing.assert_close(scored.chosen[rows], direct.chosen, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(scored.rejected[rows], direct.rejected, rtol=1e-6, atol=1e-5)
     assert torch.equal(scored.rejected_tokens[rows], direct.rejected_tokens)
@@ -139,9 +141,9 @@ def test_lora_online_reference_is_the_base_model(pairs, vocab):
                 p.normal_(std=0.5)
     batch = next(iter(pairs))
     with torch.no_grad():
-        expected = pair_logprobs(base, batch, None, MEMORY)
-        adapted = pair_logprobs(model, batch, None, MEMORY)
-    ref_chosen, ref_rejected = OnlineReference(model, None, MEMORY)(batch)
+        expected = pair_logprobs(base, OutputHead(base, None, MEMORY), batch)
+        adapted = pair_logprobs(model, OutputHead(model, None, MEMORY), batch)
+    ref_chosen, ref_rejected = OnlineReference(model, OutputHead(model, None, MEMORY))(batch)
     torch.testing.assert_close(ref_chosen, expected.chosen, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(ref_rejected, expected.rejected, rtol=1e-6, atol=1e-5)
     assert not torch.allclose(adapted.chosen, expected.chosen)

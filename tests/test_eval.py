@@ -11,8 +11,9 @@ from math import comb
 import pytest
 import torch
 import torch.nn.functional as F
-from eval_fixtures import DATA_KEY, DPO_CFG, load_stage, make_data, make_model, run_stage, write_config
+from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, write_config
 
+import posttrain.evaluation.completions
 from posttrain.checkpoint import load_hf_model
 from posttrain.data.loader import sft_batches
 from posttrain.data.store import load_split
@@ -81,17 +82,15 @@ def eval_config(root, name, model_stage, model_key, **eval_overrides):
     return write_config(root / "eval" / f"{name}.config.json", cfg)
 
 
-def run_eval(root, monkeypatch, name, stage, key, module=None, **eval_overrides):
-    module = module or load_stage("evaluate")
+def run_eval(root, monkeypatch, name, stage, key, **eval_overrides):
     out = root / "eval" / name
-    run_stage(module, ["--config", eval_config(root, name, stage, key, **eval_overrides), "--data", root / "data" / DATA_KEY,
-                       "--model", root / stage / key, "--out", out], monkeypatch)
+    run_stage("evaluate", ["--config", eval_config(root, name, stage, key, **eval_overrides),
+                           "--data", root / "data" / DATA_KEY, "--model", root / stage / key, "--out", out], monkeypatch)
     return out, json.loads((out / "metrics.json").read_text())
 
 
 def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
     """Generation replaced by a table: greedy right on rows {0, 2, 3, 5}, row i has i % 4 of its 3 samples right."""
-    module = load_stage("evaluate")
     data = results / "data" / DATA_KEY
     tok = Tokenizer(data / "tokenizer")
     rows = load_split(data, "eval").select(range(8))
@@ -112,8 +111,8 @@ def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
             tokens.append(ids)
         return tokens, ["stop"] * len(tokens)
 
-    monkeypatch.setattr(module, "complete", table_complete)
-    out, m = run_eval(results, monkeypatch, "table00000000", "dpo", DPO_KEY, module=module)
+    monkeypatch.setattr(posttrain.evaluation.completions, "complete", table_complete)  # before the stage imports it
+    out, m = run_eval(results, monkeypatch, "table00000000", "dpo", DPO_KEY)
     assert m["n_prompts"] == 8
     assert m["accuracy"] == 4 / 8
     assert m["pass@1"] == (0 + 1 + 2 + 3) * 2 / 24  # mean of c / n
@@ -183,9 +182,8 @@ def test_config_errors_name_the_key(results, monkeypatch, change, error, message
     change(cfg)
     write_config(path, cfg)
     with pytest.raises(error, match=message):
-        run_stage(load_stage("evaluate"), ["--config", path, "--data", results / "data" / DATA_KEY,
-                                           "--model", results / "sft" / SFT_KEY, "--out", results / "eval" / "bad"],
-                  monkeypatch)
+        run_stage("evaluate", ["--config", path, "--data", results / "data" / DATA_KEY,
+                               "--model", results / "sft" / SFT_KEY, "--out", results / "eval" / "bad"], monkeypatch)
 
 
 # ----- lm-evaluation-harness -----

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from eval_fixtures import DATA_KEY, DPO_CFG, load_stage, make_data, make_model, run_stage, write_config
+from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, write_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -45,7 +45,7 @@ def export(root, monkeypatch, name, model_key=DPO_KEY, evals=(), **export_cfg):
             "--out", out]
     for e in evals:
         argv += ["--eval", e]
-    run_stage(load_stage("export"), argv, monkeypatch)
+    run_stage("export", argv, monkeypatch)
     return out
 
 

@@ -12,16 +12,17 @@ import matplotlib.image
 import pandas as pd
 import pytest
 import torch
-from eval_fixtures import REPO, load_stage, run_stage
+from eval_fixtures import REPO, run_stage
 from report_testing import BETA_GROUP, TABLE, accuracy, write_outputs
 
 from posttrain.evaluation import readme_table
 from posttrain.evaluation.curves import objective_curves
 from posttrain.evaluation.effects import COLUMNS, effects_table
 from posttrain.evaluation.machine import ISA_FLAGS, cpu_model_and_flags
+from posttrain.evaluation.report_inputs import stage_runs
 from posttrain.evaluation.summary import HEAD_COLUMNS, TAIL_COLUMNS, group_name, read_summary
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.config import load_config
+from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import MODEL_STAGES, build_plan
 
 TSV = 1e-5  # the report writes 6 significant digits
@@ -47,7 +48,7 @@ def plan(tmp_path_factory):
 def out(plan):
     out = Path(plan.results) / "report"
     with pytest.MonkeyPatch.context() as mp:
-        run_stage(load_stage("report"), ["--config", plan.report_config_path, "--out", out], mp)
+        run_stage("report", ["--config", plan.report_config_path, "--out", out], mp)
     return out
 
 
@@ -125,8 +126,7 @@ def test_effects_of_a_summary_table_without_files():
 
 
 def test_objective_curves_follow_the_stage_scripts_keys(plan):
-    report = load_stage("report")
-    curves = objective_curves(report.stage_runs(plan.report_config()["variants"]))
+    curves = objective_curves(stage_runs(plan.report_config()["variants"]))
     assert list(curves) == [("sft", "loss"), ("sft", "eval_loss"),
                             ("dpo", "rewards/accuracy"), ("dpo", "rewards/margin"),
                             ("grpo", "reward_mean"), ("grpo", "entropy"),  # no kl: grpo.kl_coef is 0
@@ -218,15 +218,15 @@ def test_missing_eval_output_is_named(tmp_path, monkeypatch):
     missing = plan.variants["beta"].evals["dpo"]
     (tmp_path / "results" / "eval" / missing.key / "metrics.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"{missing.key}/metrics.json"):
-        run_stage(load_stage("report"), ["--config", plan.report_config_path, "--out", tmp_path / "report"],
-                  monkeypatch)
+        run_stage("report", ["--config", plan.report_config_path, "--out", tmp_path / "report"], monkeypatch)
     assert not (tmp_path / "report").exists()
 
 
-def test_report_config_without_previous_stages_is_named(tmp_path, plan):
+def test_report_config_without_previous_stages_is_named(tmp_path, plan, monkeypatch):
     cfg = plan.report_config()
     del cfg["variants"]["beta"]["previous"]
     path = tmp_path / "report.config.json"
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=f"{path}: variant 'beta' lacks previous"):
-        load_stage("report").read_report_config(str(path))
+        run_stage("report", ["--config", path, "--out", tmp_path / "report"], monkeypatch)
+    assert not (tmp_path / "report").exists()

@@ -29,7 +29,7 @@ import pytest
 from report_testing import TABLE, write_outputs
 from snakemake_testing import job_counts
 
-from posttrain.workflow.config import load_config
+from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[1]

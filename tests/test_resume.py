@@ -176,19 +176,19 @@ def test_kill_during_final_save_leaves_no_output(data_dir, tmp_path):
         import torch
         from posttrain.models import Transformer, preset_config
         from posttrain.tokenizer import Tokenizer
-        from posttrain.training import export
+        from posttrain.training import final_model
 
-        write_weights = export.save_hf_model
+        write_weights = final_model.save_hf_model
         def save_then_die(*args, **kwargs):
             write_weights(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
-        export.save_hf_model = save_then_die
+        final_model.save_hf_model = save_then_die
 
         tok = Tokenizer({str(data_dir / "tokenizer")!r})
         config = preset_config("tiny-student", vocab_size=tok.vocab_size)
         cfg = {{"stage": "sft", "key": "k", "upstream": {{}}, "seed": 0, "model": {{"dtype": "float32"}}}}
-        export.save_final_model({str(out)!r}, Transformer(config), hf_config=config, tokenizer=tok, cfg=cfg,
-                                started=time.time(), summary={{}}, metrics_path=None, is_main=True)
+        final_model.save_final_model({str(out)!r}, Transformer(config), hf_config=config, tokenizer=tok, cfg=cfg,
+                                     started=time.time(), summary={{}}, metrics_path=None, is_main=True)
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env_for(), capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]

@@ -4,9 +4,7 @@ the pass-rate band, on-policy pairs, and verifier errors naming the prompt."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -14,16 +12,17 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from eval_fixtures import run_stage as run_script
 
+import posttrain.generation.backend
 from posttrain.checkpoint import save_hf_model
 from posttrain.data.sources import canonical_rows, load_source
 from posttrain.data.store import load_split
 from posttrain.generation import GenerationOutput, SamplingParams
 from posttrain.models import Transformer, preset_config
-from posttrain.rewards import VerifierError
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.config import load_config
+from posttrain.workflow.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 4
@@ -58,13 +57,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _load_module(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _config(stage: str, key: str, **sections: dict[str, Any]) -> dict[str, Any]:
     cfg = load_config(ROOT / "config" / "config.yaml")
     for name, values in sections.items():
@@ -73,20 +65,14 @@ def _config(stage: str, key: str, **sections: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(cfg)
 
 
-def _run(module: Any, name: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", [name, *args])
-    module.main()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Prepared data, a random small policy folder with provenance, the stage module, a verifier module."""
+    """Prepared data, a random small policy folder with provenance, a verifier module."""
     tmp = tmp_path_factory.mktemp("reward")
-    prepare = _load_module(ROOT / "stages" / "prepare_data.py", "prepare_data_stage")
     config = tmp / "data.json"
     config.write_text(json.dumps(_config("prepare_data", "data-key", data=DATA)))
     with pytest.MonkeyPatch.context() as mp:
-        _run(prepare, "prepare_data.py", ["--config", str(config), "--out", str(tmp / "data")], mp)
+        run_script("prepare_data", ["--config", config, "--out", tmp / "data"], mp)
     tok = Tokenizer(tmp / "data" / "tokenizer")
     hf = {**preset_config("tiny", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id), **SMALL}
     torch.manual_seed(0)
@@ -96,8 +82,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     write_provenance(policy, {"key": "policy-key"}, "dpo", 0.0, {})
     rows = load_split(tmp / "data", "prompts").to_list()
     (tmp / "user_verifiers.py").write_text(f"FAILING_ID = {rows[2]['id']!r}\n" + VERIFIERS)
-    return {"tmp": tmp, "data": tmp / "data", "policy": policy, "tok": tok, "rows": rows,
-            "stage": _load_module(ROOT / "stages" / "reward.py", "reward_stage")}
+    return {"tmp": tmp, "data": tmp / "data", "policy": policy, "tok": tok, "rows": rows}
 
 
 def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, seed: int = 1234, **reward: Any) -> Path:
@@ -108,9 +93,8 @@ def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch,
     config = out.parent / f"{out.name}.json"
     config.write_text(json.dumps(cfg))
     monkeypatch.syspath_prepend(str(setup["tmp"]))
-    _run(setup["stage"], "reward.py",
-         ["--config", str(config), "--data", str(setup["data"]), "--model", str(setup["policy"]), "--out", str(out)],
-         monkeypatch)
+    run_script("reward", ["--config", config, "--data", setup["data"], "--model", setup["policy"], "--out", out],
+               monkeypatch)
     return out
 
 
@@ -185,6 +169,13 @@ class KnownPassRates:
         raise NotImplementedError
 
 
+def known_pass_rates(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reward stage samples from `KnownPassRates`: patched where the stage imports `build_backend` from
+    (`from posttrain.generation.backend import build_backend` runs when the stage does)."""
+    monkeypatch.setattr(posttrain.generation.backend, "build_backend",
+                        lambda *args, **kwargs: KnownPassRates(setup["tok"], setup["rows"]))
+
+
 @pytest.mark.parametrize(
     "band, kept",
     [([0.0, 1.0], [i for i in range(10) if i % 5 not in (0, 4)]),  # drops never (0) and always (4/4) solved
@@ -192,7 +183,7 @@ class KnownPassRates:
      ([0.5, 1.0], [i for i in range(10) if i % 5 == 3])],
 )
 def test_filtered_prompts_match_the_pass_rate_band(setup, tmp_path, monkeypatch, band, kept):
-    monkeypatch.setattr(setup["stage"], "build_backend", lambda *a: KnownPassRates(setup["tok"], setup["rows"]))
+    known_pass_rates(setup, monkeypatch)
     out = run_stage(setup, tmp_path / "band", monkeypatch, n_prompts=10, verifiers=["task"], pass_rate_band=band)
     rates = pd.read_parquet(out / "pass_rates.parquet")
     assert rates["pass_rate"].tolist() == [(i % 5) / 4 for i in range(10)]
@@ -217,7 +208,7 @@ def test_filtered_prompts_match_the_pass_rate_band(setup, tmp_path, monkeypatch,
 
 
 def test_band_with_no_prompt_inside_keeps_all_and_says_why(setup, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(setup["stage"], "build_backend", lambda *a: KnownPassRates(setup["tok"], setup["rows"]))
+    known_pass_rates(setup, monkeypatch)
     out = run_stage(setup, tmp_path / "none", monkeypatch, n_prompts=10, verifiers=["task"], pass_rate_band=[0.8, 0.9])
     assert pd.read_parquet(out / "grpo_prompts.parquet")["prompt_index"].tolist() == list(range(10))
     reason = json.loads((out / "stats.json").read_text())["grpo_prompts_fallback"]
@@ -226,11 +217,13 @@ def test_band_with_no_prompt_inside_keeps_all_and_says_why(setup, tmp_path, monk
 
 @pytest.mark.parametrize("verifier, cause", [("raise_on_third", "KeyError: 'no such field'"),
                                              ("nan_on_third", "returned nan, not a finite number")])
-def test_verifier_error_names_the_prompt_index(setup, tmp_path, monkeypatch, verifier, cause):
+def test_verifier_error_names_the_prompt_index(setup, tmp_path, monkeypatch, capsys, verifier, cause):
     spec = f"user_verifiers:{verifier}"
-    with pytest.raises(VerifierError) as err:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # a verifier's error is a known one for this stage: one line, exit 1
         run_stage(setup, tmp_path / "err", monkeypatch, verifiers=["user_verifiers:even_length", spec])
+    assert exited.value.code == 1
     row = setup["rows"][2]
-    assert str(err.value) == f"verifier {spec!r} failed on prompt index 2 (id {row['id']!r}, task 'sort'): sample 0: {cause}"
-    assert (err.value.index, err.value.verifier) == (2, spec)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"reward: error: verifier {spec!r} failed on prompt index 2 (id {row['id']!r}, task 'sort'): sample 0: {cause}")
     assert not (tmp_path / "err").exists()

@@ -303,20 +303,17 @@ def test_split_groups_and_ray_environment(monkeypatch):
 
 
 def test_grpo_prompt_file_is_checked_and_read(tok, tmp_path):
-    from argparse import Namespace
+    from posttrain.rl.prompts import training_prompts
 
-    from eval_fixtures import load_stage
-
-    stage = load_stage("grpo")
-    args = Namespace(reward=str(tmp_path), data=str(tmp_path / "data"))
+    reward, data = str(tmp_path), str(tmp_path / "data")
     with pytest.raises(FileNotFoundError, match="grpo_prompts.parquet: missing"):
-        stage.prompt_loader(args, 2, seed=0, rank=0, world_size=1)
+        training_prompts(data, reward, 2, seed=0, rank=0, world_size=1)
     frame = prompt_dataset(tok, 6).table.to_pandas().assign(pass_rate=0.5)  # as the reward stage writes it
     frame.drop(columns=["answer"]).to_parquet(tmp_path / "grpo_prompts.parquet")
     with pytest.raises(ValueError, match=r"missing column\(s\) answer"):
-        stage.prompt_loader(args, 2, seed=0, rank=0, world_size=1)
+        training_prompts(data, reward, 2, seed=0, rank=0, world_size=1)
     frame.to_parquet(tmp_path / "grpo_prompts.parquet")
     with pytest.raises(ValueError, match="fewer than grpo.prompts_per_step"):
-        stage.prompt_loader(args, 8, seed=0, rank=0, world_size=1)
-    batch = next(stage.prompt_loader(args, 4, seed=0, rank=1, world_size=2))
+        training_prompts(data, reward, 8, seed=0, rank=0, world_size=1)
+    batch = next(training_prompts(data, reward, 4, seed=0, rank=1, world_size=2))
     assert len(batch["prompt_ids"]) == 2 and batch["examples"][0]["task"] == "arithmetic"

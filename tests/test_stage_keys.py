@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import StageConfig, UndeclaredConfigKeyError, load_stage_config
-from posttrain.workflow.config import get_dotted, load_config
+from posttrain.stage_config import StageConfig, UndeclaredConfigKeyError, load_stage_config
+from posttrain.workflow.schema import get_dotted, load_config
 from posttrain.workflow.fingerprint import StageSourceError, declared_reads, fingerprint, module_hashes
 from posttrain.workflow.layout import STAGE_DIRS
 from posttrain.workflow.plan import build_plan

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from posttrain.workflow.ablations import parse_cell, read_ablations
-from posttrain.workflow.config import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
+from posttrain.workflow.schema import ConfigError, load_config, load_yaml, merge, schema_at, validate_config
 from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_LENGTH, MODEL_STAGES, build_plan, pipeline_order
 from posttrain.workflow.views import write_json, write_plan_files, write_variant_view
@@ -185,14 +185,14 @@ def test_pipeline_order_is_the_dag_order():
 def test_cells_are_parsed_to_schema_types(tmp_path):
     table = write_table(tmp_path, """
         # comment lines and blank lines are skipped
-        variant|sft.lr|memory.optimizer_in_backward|eval.pass_k|model.policy|export.push_to_hub|grpo.group_size
+        variant|sft.lr|data.packing|eval.pass_k|model.policy|export.push_to_hub|grpo.group_size
 
-        a|3e-4|true|[1, 2]|1.5|null|4
+        a|3e-4|false|[1, 2]|1.5|null|4
         b||||||
     """)
     variants = read_ablations(table, BASE)
     a = variants["a"]
-    assert a.overrides == {"sft.lr": 3e-4, "memory.optimizer_in_backward": True, "eval.pass_k": [1, 2],
+    assert a.overrides == {"sft.lr": 3e-4, "data.packing": False, "eval.pass_k": [1, 2],
                            "model.policy": "1.5", "export.push_to_hub": None, "grpo.group_size": 4}
     assert a.config["sft"]["lr"] == 3e-4 and a.config["model"]["policy"] == "1.5"
     assert variants["b"].overrides == {} and variants["b"].config == BASE

@@ -196,8 +196,8 @@ def test_twenty_variant_sweep_plans_every_variant_and_shares_the_prefix(wf):
 
     Its planning time is measured by benchmarks/sweep_planning.py, not asserted here.
     """
-    rows = [f"v{i:02d}|{2 + i % 5}|{1e-6 * (1 + i // 5):.1e}|{'true' if i % 2 else 'false'}" for i in range(20)]
-    wf.table("variant|grpo.group_size|grpo.lr|memory.optimizer_in_backward\n" + "\n".join(rows) + "\n")
+    rows = [f"v{i:02d}|{2 + i % 5}|{1e-6 * (1 + i // 5):.1e}|{i % 2}" for i in range(20)]
+    wf.table("variant|grpo.group_size|grpo.lr|memory.activation_checkpointing\n" + "\n".join(rows) + "\n")
     counts = wf.plan()
     assert counts["variant"] == 20 and counts["sft"] == 2 and counts["grpo"] == 20
 

@@ -2,11 +2,12 @@
 # The logic lives in posttrain/workflow/ (unit-tested Python); this file only wires it in.
 
 import os
+import shlex
 import sys
 
 from snakemake.utils import min_version, validate
 
-from posttrain.workflow.config import load_schema, validate_config
+from posttrain.workflow.schema import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
 from posttrain.workflow.reasons import rerun_reasons
@@ -76,6 +77,14 @@ def stage_inputs(stage):
         }
 
     return inputs
+
+
+def stage_args(wildcards, input, output):
+    """Params function: the stage's command line after its script, `--<flag> <path>` for each named input
+    (the flags `stage_inputs` names them by, which the stage script declares in its INPUTS), `--out` second."""
+    flags = {name: str(path) for name, path in input.items()}
+    flags = {"config": flags.pop("config"), "out": str(output[0]), **flags}
+    return " ".join(f"--{name} {shlex.quote(path)}" for name, path in flags.items())
 
 
 def stage_resources(stage):

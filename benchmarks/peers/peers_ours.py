@@ -72,11 +72,11 @@ def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | No
     `features` are `sft_memory.FEATURES` names (default: the shipped memory settings); with
     `optimizer_in_backward` there is no gradient clipping (the stage refuses the combination).
     """
-    from _posttrain_step import sft_loss_module
     from sft_memory import variant_config
     from sft_throughput import stored_batches
 
     from posttrain.data.packing import pack_or_pad
+    from posttrain.losses.head import OutputHead
     from posttrain.training.setup import max_grad_norm
 
     cfg = variant_config(features)
@@ -92,7 +92,7 @@ def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | No
     if len(data) < s.total_steps:
         raise ValueError(f"SFT data give {len(data)} batches of {s.rows} rows, fewer than {s.total_steps} steps")
     return {"kind": "sft", "model": model, "optimizer": optimizer, "mesh": mesh, "device": device, "cfg": cfg,
-            "stage": sft_loss_module(), "clip": max_grad_norm(cfg["sft"]), "data": data, "settings": s}
+            "head": OutputHead(model, mesh, cfg["memory"]), "clip": max_grad_norm(cfg["sft"]), "data": data, "settings": s}
 
 
 def preference_columns(pairs: list[tuple[list[int], list[int], list[int]]]) -> dict[str, list[np.ndarray]]:
@@ -113,6 +113,7 @@ def setup_dpo(folder: Path, s: Settings) -> dict[str, Any]:
 
     from posttrain.data.loader import preference_collate
     from posttrain.dpo import PrecomputedReference, pair_logprobs
+    from posttrain.losses.head import OutputHead
     from posttrain.training.setup import max_grad_norm
 
     cfg = variant_config("off", "precompute", None)
@@ -126,15 +127,15 @@ def setup_dpo(folder: Path, s: Settings) -> dict[str, Any]:
         index = np.arange(start, start + s.pairs)
         data.append(collate({k: [v[i] for i in index] for k, v in cols.items()}, index))
     with torch.no_grad():  # the reference pass of `dpo.reference: precompute`, before training
-        ref = [pair_logprobs(model, {k: v.to(device) for k, v in batch.items()}, mesh, cfg["memory"]) for batch in data]
+        head = OutputHead(model, mesh, cfg["memory"])
+        ref = [pair_logprobs(model, head, {k: v.to(device) for k, v in batch.items()}) for batch in data]
     reference = PrecomputedReference(torch.cat([r.chosen for r in ref]), torch.cat([r.rejected for r in ref]))
     return {"kind": "dpo", "model": model, "optimizer": optimizer, "mesh": mesh, "device": device, "cfg": cfg,
-            "reference": reference, "clip": max_grad_norm(cfg["dpo"]), "data": data, "settings": s}
+            "head": head, "reference": reference, "clip": max_grad_norm(cfg["dpo"]), "data": data, "settings": s}
 
 
 def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
-    from _posttrain_step import grpo_stage_module
-
+    from posttrain.losses.head import OutputHead
     from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
     from posttrain.training.setup import max_grad_norm
 
@@ -151,7 +152,7 @@ def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
     prompts = grpo_prompts(s, s.total_steps * s.prompts)
     data = [PromptBatch(prompts[i : i + s.prompts], [{}] * s.prompts, list(range(i, i + s.prompts)))
             for i in range(0, len(prompts), s.prompts)]
-    return {"kind": "grpo", "model": model, "optimizer": optimizer, "worker": worker, "stage": grpo_stage_module(),
+    return {"kind": "grpo", "model": model, "optimizer": optimizer, "worker": worker, "head": OutputHead(model, None, cfg["memory"]),
             "cfg": cfg, "clip": max_grad_norm(cfg["grpo"]), "pad_id": PAD_ID, "version": 0, "data": data,
             "settings": s}
 

@@ -143,6 +143,25 @@ def sft_rows_batch(input_ids: torch.Tensor, labels: torch.Tensor, document_ids: 
     return batch
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on `device` (other values as they are)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def at_least_one_row(batch: Batch) -> Batch:
+    """An SFT evaluation batch every rank can run: the last batch of a split may leave a rank no rows,
+    but every rank must take part in each sharded forward. The stand-in row has no loss tokens."""
+    rows, seq_len = batch["input_ids"].shape
+    if rows:
+        return batch
+    return {
+        "input_ids": torch.zeros(1, seq_len, dtype=torch.long),
+        "labels": torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.long),
+        "document_ids": torch.zeros(1, seq_len, dtype=torch.long),
+        "position_ids": torch.arange(seq_len)[None],
+    }
+
+
 def _sft_collate(seq_len: int, multiple: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
     def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
         rows = (_long(cols[k]).view(len(index), seq_len) for k in ("input_ids", "labels", "document_ids"))

@@ -26,10 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.checkpoint import resolve_model_source
 from posttrain.dpo.scoring import pair_logprobs, reshard
+from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, is_preset
 from posttrain.models.lora import disable_adapters
 from posttrain.training.resume import resume_dir
@@ -106,13 +106,13 @@ class OnlineReference:
     copy is resharded after each forward (`release=True`), so only its shards stay in memory.
     """
 
-    def __init__(self, model: Transformer, mesh: DeviceMesh | None, memory: Mapping[str, Any], release: bool = False):
-        self.model, self.mesh, self.memory, self.release = model, mesh, memory, release
+    def __init__(self, model: Transformer, head: OutputHead, release: bool = False):
+        self.model, self.head, self.release = model, head, release
 
     @torch.no_grad()
     def __call__(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         with disable_adapters(self.model):
-            out = pair_logprobs(self.model, batch, self.mesh, self.memory)
+            out = pair_logprobs(self.model, self.head, batch)
         if self.release:
             reshard(self.model)
         return out.chosen, out.rejected

@@ -1,11 +1,9 @@
 """Sequence log-probs of preference pairs, for training steps and for whole-split scoring passes.
 
 A pair's chosen and rejected rows go through the model as one ``[2b, L]`` batch (one forward,
-one FSDP all-gather per block); the completion tokens are scored chunk by chunk
-(`posttrain.losses.sequence_logprobs`), so the full-vocabulary logits of chosen and rejected are
-never held at once. Under tensor parallelism (or with `memory.chunked_ce` off) the logits are
-projected whole and scored by `F.cross_entropy`, which works on vocabulary-sharded DTensor logits
-inside `posttrain.parallel.loss_context`.
+one FSDP all-gather per block); the completion tokens are scored by the stage's `OutputHead`
+(chunked by default, so the full-vocabulary logits of chosen and rejected are never held at once;
+loss parallel under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -17,17 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 
-from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.logprobs import sequence_logprobs
+from posttrain.data.loader import to_device
+from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
-from posttrain.parallel import data_parallel_rank, loss_context, uses_tensor_parallel
-from posttrain.training.stats import local_value
+from posttrain.parallel import data_parallel_rank
 
 Collate = Callable[[dict[str, Any], np.ndarray], dict[str, Any]]
 
@@ -42,32 +37,21 @@ class PairLogps:
     rejected_tokens: Tensor
 
 
-def completion_logprobs(
-    model: Transformer, input_ids: Tensor, labels: Tensor, mesh: DeviceMesh | None, memory: Mapping[str, Any]
-) -> tuple[Tensor, Tensor]:
+def completion_logprobs(model: Transformer, head: OutputHead, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Summed log-prob ``[B]`` of each row's labelled tokens and their count ``[B]``.
 
     Rows are right-padded, so causal attention alone keeps padding out of the real tokens.
-    Call inside `loss_context(mesh)` (and run `backward` there too) when tensor parallelism is on.
+    Call inside `head.context()` (and run `backward` there too).
     """
-    hidden = model(input_ids)
-    if uses_tensor_parallel(mesh) or not memory.get("chunked_ce", True):
-        logits = model.lm_head(hidden)
-        token_logps = -F.cross_entropy(
-            logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        return local_value(token_logps).view(labels.shape).sum(-1), (labels != IGNORE_INDEX).sum(-1)
-    return sequence_logprobs(hidden, model.lm_head, labels, num_chunks=int(memory.get("ce_chunks", 8)))
+    return head.sequence_logprobs(model(input_ids), labels)
 
 
-def pair_logprobs(
-    model: Transformer, batch: Mapping[str, Tensor], mesh: DeviceMesh | None, memory: Mapping[str, Any]
-) -> PairLogps:
+def pair_logprobs(model: Transformer, head: OutputHead, batch: Mapping[str, Tensor]) -> PairLogps:
     """Policy (or reference) log-probs of a preference batch's chosen and rejected completions."""
     n = batch["chosen_input_ids"].shape[0]
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    sums, counts = completion_logprobs(model, ids, labels, mesh, memory)
+    sums, counts = completion_logprobs(model, head, ids, labels)
     return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 
 
@@ -83,18 +67,13 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def score_pairs(
     model: Transformer,
+    head: OutputHead,
     dataset: Any,
     collate: Collate,
     rows_per_rank: int,
-    mesh: DeviceMesh | None,
-    memory: Mapping[str, Any],
     device: torch.device,
     desc: str,
     show_progress: bool = True,
@@ -109,7 +88,7 @@ def score_pairs(
     `posttrain.data.loader` (`Batches.collate`). Call with every rank.
     """
     n = len(dataset)
-    rank, size = data_parallel_rank(mesh)
+    rank, size = data_parallel_rank(head.mesh)
     totals = torch.zeros(n, 4, dtype=torch.float64)  # chosen, rejected, chosen tokens, rejected tokens
     seen = torch.zeros(n, dtype=torch.float64)
     per_pass = rows_per_rank * size
@@ -119,8 +98,8 @@ def score_pairs(
         index = np.arange(start + rank * rows_per_rank, start + (rank + 1) * rows_per_rank)
         real = index[index < n]
         index = np.where(index < n, index, 0)
-        with loss_context(mesh):
-            out = pair_logprobs(model, _to_device(collate(dataset[index], index), device), mesh, memory)
+        with head.context():
+            out = pair_logprobs(model, head, to_device(collate(dataset[index], index), device))
         k = len(real)
         if k:
             values = torch.stack([out.chosen, out.rejected, out.chosen_tokens.to(out.chosen.dtype),

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from posttrain.checkpoint import load_state_into, read_hf_config, read_safetensors, save_hf_model, weight_files
+from posttrain.checkpoint import load_hf_model, load_state_into, read_hf_config, read_safetensors, save_hf_model, weight_files
 from posttrain.generation.sampler import GenerationOutput, SamplingParams, generate
 from posttrain.models import Transformer
 
@@ -241,3 +241,15 @@ class VLLMBackend:
         if path.parent == Path(self._tmp.name):
             shutil.rmtree(path)
         self.version = version
+
+
+def build_backend(name: str, model_dir: str | os.PathLike, *, pad_id: int, decode: Callable[[list[int]], str] | None,
+                  device: str | torch.device, seed: int, max_model_len: int | None, max_batch_size: int,
+                  setting: str) -> GenerationBackend:
+    """The backend `name` (`native` | `vllm`) over the HF folder `model_dir`; `setting` names the config key in errors."""
+    if name == "native":
+        model = load_hf_model(model_dir, device=device).eval()
+        return NativeBackend(model, pad_id, decode, max_batch_size=max_batch_size)
+    if name == "vllm":
+        return VLLMBackend(str(model_dir), seed=seed, max_model_len=max_model_len)
+    raise ValueError(f"{setting} must be native or vllm, got {name!r}")

@@ -1,6 +1,6 @@
 """Decoder-only transformer (Llama 3.x / Qwen2.5 / Qwen3) and named presets."""
 
-from posttrain.models.config import SUPPORTED_MODEL_TYPES, ModelArgs, ModelConfigError
+from posttrain.models.args import SUPPORTED_MODEL_TYPES, ModelArgs, ModelConfigError
 from posttrain.models.presets import PRESETS, is_preset, preset_config
 from posttrain.models.transformer import KVCache, Transformer, document_mask, document_positions
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.config import ModelArgs
+from posttrain.models.args import ModelArgs
 
 
 class RMSNorm(nn.Module):

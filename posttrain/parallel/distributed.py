@@ -121,6 +121,15 @@ def on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
     return result
 
 
+def broadcast_from_main(value: T) -> T:
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_mean(value: float | torch.Tensor, device: torch.device | None = None) -> float:
     """Average of a scalar over all ranks (losses and token counts for logging).
 

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import load_hf_model
 from posttrain.evaluation.scoring import is_correct
-from posttrain.generation.backend import GenerationBackend, NativeBackend, VLLMBackend, Weights
+from posttrain.generation.backend import GenerationBackend, Weights, build_backend
 from posttrain.generation.sampler import SamplingParams
 from posttrain.rewards.reward_model import load_reward_model, score_sequences
 from posttrain.rewards.verifiers import load_verifiers, score
@@ -189,13 +188,9 @@ class WorkerSpec:
 def build_worker(spec: WorkerSpec) -> RolloutWorker:
     """The backend named by `spec.backend` over the starting policy, with its tokenizer and reward function."""
     tokenizer = Tokenizer(spec.tokenizer_dir)
-    if spec.backend == "native":
-        model = load_hf_model(spec.model_dir, device=spec.device).eval()
-        backend: GenerationBackend = NativeBackend(model, tokenizer.pad_id, tokenizer.decode, max_batch_size=spec.max_batch_size)
-    elif spec.backend == "vllm":
-        backend = VLLMBackend(spec.model_dir, seed=spec.seed, max_model_len=spec.max_model_len)
-    else:
-        raise ValueError(f"grpo.backend must be native or vllm, got {spec.backend!r}")
+    backend = build_backend(spec.backend, spec.model_dir, pad_id=tokenizer.pad_id, decode=tokenizer.decode,
+                            device=spec.device, seed=spec.seed, max_model_len=spec.max_model_len,
+                            max_batch_size=spec.max_batch_size, setting="grpo.backend")
     params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                             stop_token_ids=tokenizer.eos_ids)
     reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id)

@@ -31,6 +31,10 @@ from posttrain.utils.metrics import LoggerUnavailableError
 KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
 
 
+class SettingError(ValueError):
+    """A combination of settings this run cannot use; the message names the config keys."""
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN or inf more often than allowed."""
 
@@ -100,6 +104,7 @@ def kill_if_requested(step: int) -> None:
 
 
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
+    SettingError,
     NonFiniteLossError,
     ResumeError,
     CheckpointError,

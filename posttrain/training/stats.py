@@ -31,6 +31,15 @@ def data_parallel_sum(values: Sequence[float | torch.Tensor], mesh: DeviceMesh |
     return t.tolist()
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest of each rank's `value`."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def non_pad_tokens(input_ids: torch.Tensor, pad_id: int) -> int:
     """Tokens that carry data (what throughput counts)."""
     return int((input_ids != pad_id).sum())

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from posttrain.config import as_dict
+from posttrain.stage_config import as_dict
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttrain.config import as_dict
+from posttrain.stage_config import as_dict
 from posttrain.utils.io import PROVENANCE_FILE, read_json
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from posttrain.workflow.config import (
+from posttrain.workflow.schema import (
     SCHEMA_DIR,
     ConfigError,
     Problem,

@@ -7,23 +7,17 @@ built from are found next to it without any other index.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from posttrain.utils.io import PROVENANCE_FILE
+from posttrain.utils.io import PROVENANCE_FILE, read_json
 from posttrain.workflow.layout import STAGE_DIRS
 
 
 def read_provenance(folder: str | Path) -> dict[str, Any]:
     """The folder's `posttrain.json` record."""
     path = Path(folder) / PROVENANCE_FILE
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; stage outputs carry a {PROVENANCE_FILE} (stage, key, upstream)") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    record = read_json(path, f"stage outputs carry a {PROVENANCE_FILE} (stage, key, upstream)")
     if not isinstance(record, dict) or "stage" not in record:
         raise ValueError(f"{path}: not a posttrain provenance record (no 'stage')")
     return record

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTION_KEYS, RUN_SUFFIX, deep_union, is_run_setting
+from posttrain.stage_config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTION_KEYS, RUN_SUFFIX, deep_union, is_run_setting
 from posttrain.workflow.ablations import Variant, load_variants
-from posttrain.workflow.config import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
+from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
 from posttrain.workflow.layout import MODEL_STAGES, STAGE_DIRS, pipeline_order
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import CONFIG_SUFFIX
+from posttrain.stage_config import CONFIG_SUFFIX
 from posttrain.workflow.plan import KEY_VERSION, Job, Plan
 
 SHOWN_MODULES = 6  # a longer list ends with "and N more"

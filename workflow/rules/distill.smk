@@ -7,6 +7,7 @@ rule distill:
     params:
         script=script("distill"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("distill")
     resources:
         **stage_resources("distill"),
@@ -17,5 +18,4 @@ rule distill:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} --teacher {input.teacher:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

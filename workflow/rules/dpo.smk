@@ -6,6 +6,7 @@ rule dpo:
     params:
         script=script("dpo"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("dpo")
     resources:
         **stage_resources("dpo"),
@@ -16,5 +17,4 @@ rule dpo:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

@@ -8,6 +8,7 @@ rule evaluate:
     params:
         script=script("evaluate"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("evaluate")
     resources:
         **stage_resources("evaluate"),
@@ -18,5 +19,4 @@ rule evaluate:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

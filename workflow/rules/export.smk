@@ -8,6 +8,7 @@ rule export:
     params:
         script=script("export"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("export")
     resources:
         **stage_resources("export"),
@@ -18,5 +19,4 @@ rule export:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --model {input.model:q} --eval {input.eval:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

@@ -6,6 +6,7 @@ rule grpo:
     params:
         script=script("grpo"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("grpo")
     resources:
         **stage_resources("grpo"),
@@ -16,5 +17,4 @@ rule grpo:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} --model {input.model:q} --reward {input.reward:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

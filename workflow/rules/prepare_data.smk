@@ -6,6 +6,7 @@ rule prepare_data:
     params:
         script=script("prepare_data"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("prepare_data")
     resources:
         **stage_resources("prepare_data"),
@@ -16,4 +17,4 @@ rule prepare_data:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

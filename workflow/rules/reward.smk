@@ -6,6 +6,7 @@ rule reward:
     params:
         script=script("reward"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("reward")
     resources:
         **stage_resources("reward"),
@@ -16,5 +17,4 @@ rule reward:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} --model {input.model:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

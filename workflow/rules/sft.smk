@@ -6,6 +6,7 @@ rule sft:
     params:
         script=script("sft"),
         launch=launcher,
+        args=stage_args,
     threads: stage_threads("sft")
     resources:
         **stage_resources("sft"),
@@ -16,5 +17,4 @@ rule sft:
     conda:
         "../../envs/cuda.yaml"
     shell:
-        "{params.launch} {params.script:q} --config {input.config:q} --out {output:q}"
-        " --data {input.data:q} > {log:q} 2>&1"
+        "{params.launch} {params.script:q} {params.args} > {log:q} 2>&1"

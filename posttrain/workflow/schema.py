@@ -21,6 +21,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from posttrain.workflow.preflight import path_problems, stage_rule_problems
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = REPO_ROOT / "workflow" / "schemas"
 CONFIG_SCHEMA = SCHEMA_DIR / "config.schema.yaml"
@@ -245,7 +247,7 @@ RESOURCE_SECTIONS = ("data", "sft", "dpo", "reward", "grpo", "distill", "eval", 
 
 
 def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
-    """Rules that span several keys, checked once the schema holds."""
+    """Rules that span several keys, checked once the schema holds (`posttrain.workflow.preflight` among them)."""
     problems = []
     if not cfg["data"]["tasks"] and not cfg["data"]["sources"]:
         problems.append(Problem("data.tasks", "is empty and so is data.sources: there is no data"))
@@ -263,7 +265,8 @@ def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
     too_big = [k for k in cfg["eval"]["pass_k"] if k > cfg["eval"]["samples"]]
     if too_big:
         problems.append(Problem("eval.pass_k", f"{too_big} exceed eval.samples = {cfg['eval']['samples']}"))
-    return problems
+    # What the stages would refuse when they start, and sources that do not exist: before any job is queued.
+    return problems + [Problem(key, message) for key, message in stage_rule_problems(cfg) + path_problems(cfg)]
 
 
 def validate_config(

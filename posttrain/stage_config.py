@@ -16,11 +16,13 @@ config written by hand (tests, a stage run alone) may hold both kinds of setting
 
 from __future__ import annotations
 
+import argparse
 import copy
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from posttrain.utils.io import read_json
 
 RESOLVED_KEYS = ("stage", "key", "upstream")  # every resolved config has them
 META_KEYS = (*RESOLVED_KEYS, "code")  # what the workflow adds; readable without a declaration
@@ -48,12 +50,7 @@ def run_settings_path(config_path: str | Path) -> Path | None:
 
 
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{what} {path}: not valid JSON ({err})") from None
+    value = read_json(path, f"the {what} file (the workflow writes it when it plans the stage)")
     if not isinstance(value, dict):
         raise ValueError(f"{what} {path}: must be a JSON object, got {type(value).__name__}")
     return value
@@ -154,3 +151,18 @@ def load_stage_config(path: str | Path, reads: Sequence[str], script: str | Path
         cfg = deep_union(cfg, _read_json_object(run_path, "run settings"))
         where = f"{path} and {run_path}"
     return StageConfig(cfg, reads, script, where)
+
+
+def parse_inputs(stage: str, inputs: Mapping[str, str], optional: tuple[str, ...] = (),
+                 repeatable: tuple[str, ...] = ()) -> argparse.Namespace:
+    """`--config`, `--out` and the stage's input folders/files (`inputs`: flag -> help; `optional` ones may be
+    absent; `repeatable` ones may be given any number of times, none included, and come back as a list)."""
+    parser = argparse.ArgumentParser(prog=f"stages/{stage}.py", description=f"the {stage} stage of posttrain")
+    parser.add_argument("--config", required=True, help="resolved config (JSON)")
+    parser.add_argument("--out", required=True, help="output folder (the workflow's results/<stage folder>/<key>)")
+    for name, text in inputs.items():
+        if name in repeatable:
+            parser.add_argument(f"--{name}", action="append", default=[], help=f"{text} (repeatable)")
+        else:
+            parser.add_argument(f"--{name}", required=name not in optional, help=text)
+    return parser.parse_args()

@@ -1,0 +1,203 @@
+"""The scaffold every training stage runs in, written once: a stage script keeps its data, loss, step and evaluation.
+
+    run = StageRun(STAGE, READS, INPUTS, __file__)        # flags, config, processes, mesh, seed, tokenizer
+    model = run.build_model(source, hf_config)            # on the mesh, per memory/parallel
+    optimization = run.optimization(model)                # optimizer, schedule, clipping, guard
+    run.resume(model, optimization, data)                 # newest checkpoint, metrics, stop-on-signal
+    before = run.measure_before(evaluate)                 # logged at step 0, kept across a resume
+    for step in run.steps():                              # progress, timing, checkpoints, SIGTERM
+        ...                                               # the stage's own step
+        run.log_step(step, record)
+    run.finish(model, hf_config, summary)                 # final HF folder, provenance, resume state removed
+
+    if __name__ == "__main__":
+        run_main(STAGE, main)                             # known failures as one line, OOM explained
+
+Resume state lives in `<out>.resume/` (`posttrain.training.resume`): every `<stage>.checkpoint_every`
+steps and when SIGTERM arrives (Slurm preemption, time limits; the stage then exits 143 and the
+same command continues). A checkpoint holds the model, optimizer, schedule, RNG, the data
+position (`data.state_dict()`) and the metrics measured before training, so a resumed run
+reports the same "before" numbers on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from posttrain.stage_config import load_stage_config, parse_inputs
+from posttrain.models import Transformer
+from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed
+from posttrain.tokenizer import Tokenizer
+from posttrain.training.final_model import save_final_model
+from posttrain.training.faults import SettingError, exit_on_known_errors, explain_out_of_memory, kill_if_requested
+from posttrain.training.optimization import Optimization
+from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, resume_dir
+from posttrain.training.setup import build_model, seed_everything
+from posttrain.utils.io import refuse_other_run
+from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
+
+
+class Resumable(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StageRun:
+    """One process's share of a training stage run: everything around the stage's own step."""
+
+    def __init__(self, stage: str, reads: tuple[str, ...], inputs: Mapping[str, str], script: str,
+                 optional: tuple[str, ...] = (), section: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+                 one_process: bool = False):
+        """`section`: the training settings (steps, lr, ...) when they are not the config's `<stage>` section;
+        `one_process`: a stage that runs as one process (no mesh) and refuses to start under several."""
+        self.started = time.time()
+        self.stage = stage
+        self.args = parse_inputs(stage, inputs, optional)
+        self.out = Path(self.args.out)
+        self.cfg = load_stage_config(self.args.config, reads, script)
+        self.section = section(self.cfg) if section else self.cfg[stage]
+        self.memory = self.cfg["memory"]
+        self.total_steps = int(self.section["steps"])
+        self.info = init_distributed()
+        self.device, self.is_main = self.info.device, self.info.is_main
+        if one_process and self.info.world_size > 1:
+            raise SettingError(f"{stage} runs as one process, but was started as {self.info.world_size}: "
+                             f"set {stage}.resources to one node, at most one GPU and procs 1")
+        self.mesh = None if one_process else build_mesh(
+            self.info, tp=self.cfg["parallel"]["tp"], dp_replicate=self.cfg["parallel"]["dp_replicate"])
+        self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
+        seed_everything(self.cfg["seed"])
+        self.tokenizer = Tokenizer(Path(self.args.data) / "tokenizer")
+        refuse_other_run(self.out, self.cfg["key"])  # before any work, not when the output would replace it
+        self.stop = StopOnSignal()
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+        self.before: dict[str, Any] = {}
+        self._resumed: ResumePoint | None = None
+        self._record: dict[str, Any] | None = None
+
+    # --- setup ---
+
+    def build_model(self, source: str | None, hf_config: dict[str, Any], method: str = "full",
+                    lora: Mapping[str, Any] | None = None) -> Transformer:
+        """The trained model from `source` (a preset, an HF folder or a hub id), on this run's mesh."""
+        return build_model(source, hf_config, self.info, self.mesh, self.cfg, method, lora)
+
+    def frozen_model(self, source: str | None, hf_config: dict[str, Any]) -> Transformer:
+        """A model that is only run (teacher, reference): no gradients, eval mode, sharded like the trained one."""
+        return self.build_model(source, hf_config).requires_grad_(False).eval()
+
+    def micro_batch_size(self) -> int:
+        """Global rows per micro-batch (`batch_size / grad_accum`); refuses sizes that do not split evenly."""
+        batch, accum = int(self.section["batch_size"]), int(self.section["grad_accum"])
+        if batch % (accum * self.dp_size):
+            raise SettingError(
+                f"{self.stage}.batch_size ({batch}) must be divisible by {self.stage}.grad_accum ({accum}) "
+                f"x data-parallel processes ({self.dp_size})"
+            )
+        return batch // accum
+
+    def optimization(self, model: Transformer) -> Optimization:
+        return Optimization(model, self.section, self.memory, self.mesh, self.stage, lambda: self.last_checkpoint)
+
+    def resume(self, model: Transformer, optimization: Optimization, data: Resumable) -> ResumePoint | None:
+        """Load the newest checkpoint into model, optimizer, schedule, RNG and `data`; open the metrics."""
+        self._model, self._optimization, self._data = model, optimization, data
+        self.checkpointer = Checkpointer(self.out, every=self.section["checkpoint_every"], key=self.cfg["key"])
+        resumed = self.checkpointer.load(model, optimization.optimizer, optimization.scheduler)
+        if resumed is not None:
+            data.load_state_dict(resumed.data_state["data"])
+            self.before = resumed.data_state["before"]
+            self.start_step, self.last_checkpoint = resumed.step, resumed.path
+            if self.is_main:
+                truncate_after(self.checkpointer.metrics_path, self.start_step)
+                print(f"resuming from {resumed.path} at step {self.start_step}", flush=True)
+        self.metrics = MetricsLogger(self.checkpointer.metrics_path, enabled=self.is_main, loggers=self.cfg["loggers"],
+                                     run_name=f"{self.stage}-{self.cfg['key']}", config=self.cfg)
+        self._resumed = resumed
+        return resumed
+
+    def measure_before(self, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """What the starting model scores: measured and logged at step 0 on a fresh start, restored on resume."""
+        if self._resumed is None:
+            self.before = measure()
+            if self.before:
+                self.log(0, self.before)
+        return self.before
+
+    # --- the loop ---
+
+    def steps(self) -> Iterator[int]:
+        """Steps `start + 1 .. steps`; after each: metrics, progress, periodic checkpoint, stop on SIGTERM."""
+        bar = progress_bar(self.total_steps, self.start_step, self.is_main, self.stage)
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            self._t0 = time.perf_counter()
+            reset_peak_memory(self.device)
+            self._record = None
+            yield step
+            if self._record is None:
+                raise RuntimeError(f"{self.stage}: step {step} ended without run.log_step")
+            record, postfix = self._record
+            self.metrics.log(step, record)
+            bar.update(1)
+            bar.set_postfix({k: f"{record[k]:{fmt}}" for k, fmt in postfix.items()}, refresh=False)
+            if self.is_main and step % self.section["log_every"] == 0:
+                bar.write(f"step {step}/{self.total_steps} " + json.dumps(
+                    {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}))
+            stopping = step < self.total_steps and self.stop.requested()
+            if self.checkpointer.due(step, self.total_steps) or stopping:
+                self.last_checkpoint = self.checkpointer.save(
+                    step, self._model, self._optimization.optimizer, self._optimization.scheduler,
+                    {"data": self._data.state_dict(), "before": self.before})
+            if stopping:
+                bar.close()
+                self.metrics.close()
+                self.stop.exit(step, self.last_checkpoint)
+            kill_if_requested(step)
+        bar.close()
+
+    def seconds(self) -> float:
+        """Seconds since the current step began."""
+        return time.perf_counter() - self._t0
+
+    def log_step(self, step: int, record: dict[str, Any], postfix: Mapping[str, str] | None = None) -> None:
+        """The step's metrics (`step_s` and `peak_memory_mb` added); `postfix`: metric -> format for the bar."""
+        record.setdefault("step_s", self.seconds())
+        record["peak_memory_mb"] = peak_memory_mb(self.device)
+        self._record = (record, dict(postfix or {"loss": ".4f"}))
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        self.metrics.log(step, values)
+
+    # --- the end ---
+
+    def finish(self, model: Transformer, hf_config: dict[str, Any], summary: dict[str, Any], base_model: str | None) -> None:
+        """Write the final HF folder (`base_model`: the adapters' base), drop the resume state, leave the process group."""
+        self.metrics.close()
+        save_final_model(
+            self.out, model, hf_config=hf_config, tokenizer=self.tokenizer, cfg=self.cfg, started=self.started,
+            summary=summary, metrics_path=self.checkpointer.metrics_path, is_main=self.is_main, base_model=base_model,
+        )
+        self.done()
+        if self.is_main:
+            print(json.dumps({"out": str(self.out), **summary}), flush=True)
+        destroy()
+
+    def done(self) -> None:
+        """The output is complete: remove the resume state and give SIGTERM back its previous handler."""
+        barrier()
+        if self.is_main:
+            shutil.rmtree(resume_dir(self.out), ignore_errors=True)
+        self.stop.restore()
+
+
+def run_main(stage: str, main: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Run a stage's `main`: its expected failures (and `extra_errors`) end in one line and exit 1; OOM names the settings."""
+    with exit_on_known_errors(stage, extra_errors), explain_out_of_memory(stage):
+        main()

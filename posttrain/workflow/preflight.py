@@ -1,0 +1,107 @@
+"""Checks made when the plan is built (`snakemake -n` included), before any job waits in a queue.
+
+A stage enforces its rules when it starts; on a cluster that is after the queue. So the rules a
+config can break are checked here, for every variant, with the config key to change:
+
+- processes and batch sizes: data-parallel processes (nodes x GPUs or CPU processes, over
+  `parallel.tp`) divide each batch after accumulation; `parallel.tp x dp_replicate` divides them;
+- optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
+  one micro-batch;
+- tensor parallelism without LoRA/QLoRA adapters;
+- model and data sources: a local folder or file the config names exists; a hub model id, with
+  `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
+  and are left to data prep).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _processes(resources: Mapping[str, Any]) -> int:
+    return int(resources["nodes"]) * int(resources["gpus"] or resources["procs"])
+
+
+def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(config key, what is wrong) for each rule a training stage would refuse at start."""
+    problems = []
+    tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
+    in_backward = bool(cfg["memory"]["optimizer_in_backward"])
+    for stage in TRAINING_SECTIONS:
+        section = cfg[stage]
+        if tp > 1 and section.get("method", "full") != "full":
+            problems.append((f"{stage}.method", f"{section['method']}: tensor parallelism does not support LoRA/QLoRA "
+                             "adapters; set parallel.tp: 1 or method: full"))
+        world = _processes(section["resources"])
+        if world % (tp * replicate):
+            problems.append((f"{stage}.resources", f"{world} processes, which parallel.tp ({tp}) x "
+                             f"parallel.dp_replicate ({replicate}) does not divide"))
+            continue
+        dp = world // tp
+        if stage == "grpo":
+            prompts, rows = int(section["prompts_per_step"]), int(section["group_size"])
+            if prompts % dp:
+                problems.append(("grpo.prompts_per_step", f"{prompts} does not split over {dp} data-parallel processes"))
+            elif in_backward and int(section["micro_batch_size"]) < prompts // dp * rows:
+                problems.append(("grpo.micro_batch_size", f"{section['micro_batch_size']}: memory.optimizer_in_backward "
+                                 f"steps during backward, so a step must be one micro-batch: at least "
+                                 f"{prompts // dp * rows} (prompts per process x group_size)"))
+        else:
+            batch, accum = int(section["batch_size"]), int(section["grad_accum"])
+            if batch % (accum * dp):
+                problems.append((f"{stage}.batch_size", f"{batch} is not divisible by {stage}.grad_accum ({accum}) x "
+                                 f"{dp} data-parallel processes"))
+            if in_backward and accum != 1:
+                problems.append((f"{stage}.grad_accum", f"{accum}: memory.optimizer_in_backward steps every parameter "
+                                 "during backward, so it cannot accumulate gradients: set it to 1"))
+        if in_backward and section["max_grad_norm"]:
+            problems.append((f"{stage}.max_grad_norm", f"{section['max_grad_norm']}: memory.optimizer_in_backward frees "
+                             "each gradient right after its step, so there is no norm to clip by: set it to 0 or null"))
+    return problems
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+
+
+def _hub_cached(repo_id: str, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, filename), str)
+
+
+def model_source_problem(source: str) -> str | None:
+    """What is wrong with a model (or tokenizer) source: a local folder, a hub id (`org/name`), or a preset
+    (a bare name, which the stage resolves; the workflow does not import the models to check it)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return None if path.is_dir() else f"{source}: a model source must be a folder (config.json + *.safetensors)"
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        return f"{source}: no such folder"
+    if "/" in source and _offline() and not (_hub_cached(source, "config.json") or _hub_cached(source, "tokenizer.json")):
+        return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where there "
+                "is network (`huggingface-cli download`) or name a local folder")
+    return None
+
+
+def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(config key, what is wrong) for each model, tokenizer or data source that cannot be found."""
+    problems = []
+    for key in ("policy", "student", "tokenizer"):
+        source = cfg["model"].get(key)
+        why = model_source_problem(str(source)) if source else None
+        if why:
+            problems.append((f"model.{key}", why))
+    for i, spec in enumerate(cfg["data"]["sources"]):
+        path = str(spec["path"])
+        local = Path(path).expanduser()
+        if local.suffix in LOCAL_DATA_SUFFIXES or path.startswith((".", "/", "~")):
+            if not local.is_file():
+                problems.append((f"data.sources[{i}].path", f"{path}: no such file"))
+    return problems

@@ -1,0 +1,88 @@
+"""What a stage would refuse when it starts is refused when the plan is built, naming the config key
+(and the ablation row), so that nothing fails after waiting in a cluster's queue."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.workflow.ablations import load_variants
+from posttrain.workflow.schema import ConfigError, load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = load_config(REPO / "config" / "config.yaml")
+
+
+def _problems(**sections) -> str:
+    cfg = copy.deepcopy(BASE)
+    for section, values in sections.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                cfg[section][key].update(value)
+            else:
+                cfg[section][key] = value
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, where="test.yaml")
+    return str(err.value)
+
+
+def test_optimizer_in_backward_with_clipping_or_accumulation_is_refused_per_stage():
+    text = _problems(memory={"optimizer_in_backward": True}, sft={"grad_accum": 2, "batch_size": 16})
+    assert "sft.grad_accum: 2: memory.optimizer_in_backward steps every parameter during backward" in text
+    for stage in ("sft", "dpo", "grpo", "distill"):
+        assert f"{stage}.max_grad_norm: 1.0: memory.optimizer_in_backward frees each gradient" in text
+    assert "grpo.micro_batch_size: 64" in text and "at least 128" in text
+    # null turns clipping off (the schema used to refuse the value the error message advised)
+    fixed = copy.deepcopy(BASE)
+    fixed["memory"]["optimizer_in_backward"] = True
+    for stage in ("sft", "dpo", "grpo", "distill"):
+        fixed[stage]["max_grad_norm"] = None
+    fixed["grpo"]["micro_batch_size"] = 128
+    assert validate_config(fixed)["sft"]["max_grad_norm"] is None
+
+
+def test_batches_that_do_not_split_over_the_processes_are_refused():
+    text = _problems(sft={"resources": {"procs": 3}}, grpo={"resources": {"nodes": 2, "procs": 3}})
+    assert "sft.batch_size: 16 is not divisible by sft.grad_accum (1) x 3 data-parallel processes" in text
+    assert "grpo.prompts_per_step: 16 does not split over 6 data-parallel processes" in text
+    text = _problems(parallel={"tp": 2}, dpo={"method": "lora"})
+    assert "dpo.method: lora: tensor parallelism does not support LoRA/QLoRA adapters" in text
+    assert "sft.resources: 1 processes, which parallel.tp (2) x parallel.dp_replicate (1) does not divide" in text
+
+
+def test_missing_model_and_data_sources_are_named(tmp_path, monkeypatch):
+    text = _problems(model={"policy": "/nonexistent/model", "student": str(tmp_path / "student")},
+                     data={"sources": [{"path": str(tmp_path / "rows.jsonl"), "kind": "sft"}]})
+    assert "model.policy: /nonexistent/model: no such folder" in text
+    assert f"model.student: {tmp_path / 'student'}: no such folder" in text
+    assert f"data.sources[0].path: {tmp_path / 'rows.jsonl'}: no such file" in text
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    text = _problems(model={"policy": "Qwen/Qwen3-0.6B"})
+    assert "model.policy: Qwen/Qwen3-0.6B: HF_HUB_OFFLINE is set and this hub id is not in the local cache" in text
+
+
+def test_an_ablation_row_that_breaks_a_stage_rule_is_named_by_line_and_column(tmp_path):
+    table = tmp_path / "ablations.tsv"
+    table.write_text("variant\tmemory.optimizer_in_backward\tsft.max_grad_norm\n"
+                     "ok\tfalse\t\n"
+                     "bad\ttrue\t\n")
+    cfg = {**copy.deepcopy(BASE), "ablations": str(table)}
+    with pytest.raises(ConfigError) as err:
+        load_variants(cfg, REPO / "workflow" / "schemas")
+    text = str(err.value)
+    assert "line 3 (variant 'bad')" in text and "sft.max_grad_norm: 1.0: memory.optimizer_in_backward" in text
+    assert "variant 'ok'" not in text
+
+
+def test_a_dry_run_stops_on_a_missing_model_folder_before_any_job(tmp_path):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model: {policy: /nonexistent/model}\n")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "config/smoke.yaml", str(overlay)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "model.policy: /nonexistent/model: no such folder" in proc.stdout + proc.stderr
