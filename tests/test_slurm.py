@@ -261,3 +261,85 @@ def test_a_requeued_sft_job_resumes_to_the_weights_of_an_uninterrupted_run(slurm
     assert "received SIGTERM: saved resume state at step" in text and "resuming from" in text, text
     assert _same_weights(tmp_path / "uninterrupted", out)
     assert not resume_dir(out).exists()
+
+
+def _running_job(cluster: LocalSlurm, rule: str) -> tuple[str, str] | None:
+    """(job id, node) of the running Slurm job of `rule` (the plugin names the rule in the job's comment)."""
+    out = subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i|%k|%N"], env=cluster.env,
+                         capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        job, comment, node = line.split("|")
+        if comment.startswith(f"rule_{rule}_"):
+            return job, node
+    return None
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, cluster: LocalSlurm, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            output = proc.communicate()[0]
+            raise AssertionError(f"gave up waiting for {what}:\n{output[-4000:]}\n{cluster.logs()}")
+        time.sleep(0.5)
+    return found
+
+
+def test_a_requeue_and_a_lost_node_through_snakemake_end_with_the_weights_of_an_uninterrupted_run(
+        slurm_cluster, workdir, tmp_path):
+    """Through `snakemake --profile slurm` (restart-times: 1): SFT's job is requeued after step 20 (SIGTERM:
+    the stage checkpoints and exits, Slurm starts the job again, it resumes); DPO's node is lost after
+    step 10 (its slurmd and every process of the job SIGKILLed: the job fails with NODE_FAIL, runs again
+    on the other node, resumes from the step-10 checkpoint). Both end with the weights of stages run
+    straight through with the same configs."""
+    env = {**slurm_cluster.env, "XDG_CONFIG_HOME": str(tmp_path / "config"), "POSTTRAIN_TEST_PAUSE_AT": "sft:20,dpo:10",
+           "PATH": f"{Path(sys.executable).parent}:{slurm_cluster.env['PATH']}"}
+    subprocess.run([sys.executable, "-m", "posttrain.workflow.profiles", "install", "slurm"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    steps = workdir / "steps.yaml"
+    steps.write_text("sft: {steps: 40, checkpoint_every: 10}\ndpo: {steps: 20, checkpoint_every: 5}\n")
+    args = ("--profile", "slurm", "--configfile", "config/smoke.yaml", str(_memory_overlay(workdir)), str(steps),
+            *TEST_OVERRIDES, "--until", "dpo")
+    results = workdir / "results" / "smoke"
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def paused(stage: str, step: int):
+        logs = list((results / "logs" / stage).glob("*.log")) if (results / "logs" / stage).is_dir() else []
+        if any(f"{stage}: pausing after step {step}" in log.read_text(errors="replace") for log in logs):
+            return _running_job(slurm_cluster, stage)
+        return None
+
+    sft_job, _ = _wait_for("SFT to pause after step 20", lambda: paused("sft", 20), proc, slurm_cluster)
+    subprocess.run(["scontrol", "requeue", sft_job], env=slurm_cluster.env, check=True, capture_output=True)
+    dpo_job, dpo_node = _wait_for("DPO to pause after step 10", lambda: paused("dpo", 10), proc, slurm_cluster, 900)
+    assert slurm_cluster.lose_node(dpo_node, dpo_job), f"no process of job {dpo_job} found"
+    try:
+        output = proc.communicate(timeout=1200)[0]
+    finally:
+        slurm_cluster.restart_node(dpo_node)
+    print(f"requeue + lost node through Snakemake: {time.perf_counter() - start:.0f} s")
+    assert proc.returncode == 0, f"{output[-5000:]}\n{_stage_log_tails(workdir)}\n{slurm_cluster.logs()}"
+
+    # The requeued job ran again under its id; the lost one failed and ran again (a new job from
+    # Snakemake's restart, or the same one requeued by Slurm), each rerun resuming from its checkpoint.
+    assert _job_field(slurm_cluster, sft_job, "Restarts") == "1"
+    dpo_runs = [j for j in slurm_cluster.jobs() if j["comment"].startswith("rule_dpo_")]
+    assert _job_field(slurm_cluster, dpo_job, "Restarts") == "1" or len(dpo_runs) == 2, dpo_runs
+    (sft_log,), (dpo_log,) = (list((results / "logs" / stage).glob("*.log")) for stage in ("sft", "dpo"))
+    assert "resuming from" in sft_log.read_text() and "step-00000020 at step 20" in sft_log.read_text()
+    assert "step-00000010 at step 10" in dpo_log.read_text()
+
+    # The same stages run straight through, from the configs the workflow wrote, give the same weights.
+    (data,) = (p for p in (results / "data").iterdir() if p.is_dir())
+    (sft,), (dpo,) = ([p for p in (results / stage).iterdir() if p.is_dir()] for stage in ("sft", "dpo"))
+    straight = {**env}
+    straight.pop("POSTTRAIN_TEST_PAUSE_AT")
+    for script, out, extra in ((SFT_SCRIPT, tmp_path / "sft", ()), (DPO_SCRIPT, tmp_path / "dpo", ("--model", str(sft)))):
+        stage_dir = sft if out.name == "sft" else dpo
+        subprocess.run([sys.executable, str(script), "--config", str(stage_dir.with_name(stage_dir.name + ".config.json")),
+                        "--data", str(data), "--out", str(out), *extra], cwd=workdir, env=straight, check=True,
+                       capture_output=True, timeout=600)
+    assert _same_weights(tmp_path / "sft", sft)
+    assert _same_weights(tmp_path / "dpo", dpo)

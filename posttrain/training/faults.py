@@ -5,6 +5,9 @@
 - CUDA out-of-memory is re-raised with the config keys that reduce memory.
 - `POSTTRAIN_TEST_SIGKILL_AT_STEP=N` makes the process SIGKILL itself after step N: the resume
   tests use it to die at an exact step, as a preempted or OOM-killed job would.
+- `POSTTRAIN_TEST_PAUSE_AT=<stage>:<step>[,...]` makes a stage wait after that step (its periodic
+  checkpoint written) until SIGTERM arrives, as a long step would: the cluster tests requeue a job
+  or take its node away at a known point.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,11 +28,12 @@ from posttrain.checkpoint import CheckpointError
 from posttrain.data.sources import DataError
 from posttrain.models import ModelConfigError
 from posttrain.tokenizer import TokenizerError
-from posttrain.training.resume import ResumeError
+from posttrain.training.resume import ResumeError, StopOnSignal
 from posttrain.utils.io import OutputExistsError
 from posttrain.utils.metrics import LoggerUnavailableError
 
 KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
+PAUSE_AT_ENV = "POSTTRAIN_TEST_PAUSE_AT"
 
 
 class SettingError(ValueError):
@@ -101,6 +106,15 @@ def kill_if_requested(step: int) -> None:
     at = os.environ.get(KILL_AT_STEP_ENV)
     if at is not None and int(at) == step:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_if_requested(stage: str, step: int, stop: StopOnSignal) -> None:
+    """Wait after `step` of `stage` until SIGTERM when POSTTRAIN_TEST_PAUSE_AT names them (tests only)."""
+    wanted = {item.strip() for item in os.environ.get(PAUSE_AT_ENV, "").split(",")}
+    if f"{stage}:{step}" in wanted:
+        print(f"{stage}: pausing after step {step} ({PAUSE_AT_ENV})", flush=True)
+        while stop.signum is None:
+            time.sleep(0.2)
 
 
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (

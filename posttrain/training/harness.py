@@ -34,7 +34,13 @@ from posttrain.models import Transformer
 from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.final_model import save_final_model
-from posttrain.training.faults import SettingError, exit_on_known_errors, explain_out_of_memory, kill_if_requested
+from posttrain.training.faults import (
+    SettingError,
+    exit_on_known_errors,
+    explain_out_of_memory,
+    kill_if_requested,
+    pause_if_requested,
+)
 from posttrain.training.optimization import Optimization
 from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, resume_dir
 from posttrain.training.setup import build_model, seed_everything
@@ -150,17 +156,23 @@ class StageRun:
             if self.is_main and step % self.section["log_every"] == 0:
                 bar.write(f"step {step}/{self.total_steps} " + json.dumps(
                     {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}))
-            stopping = step < self.total_steps and self.stop.requested()
-            if self.checkpointer.due(step, self.total_steps) or stopping:
-                self.last_checkpoint = self.checkpointer.save(
-                    step, self._model, self._optimization.optimizer, self._optimization.scheduler,
-                    {"data": self._data.state_dict(), "before": self.before})
-            if stopping:
+            due = self.checkpointer.due(step, self.total_steps)
+            if due:
+                self._save(step)
+            pause_if_requested(self.stage, step, self.stop)
+            if step < self.total_steps and self.stop.requested():
+                if not due:
+                    self._save(step)
                 bar.close()
                 self.metrics.close()
                 self.stop.exit(step, self.last_checkpoint)
             kill_if_requested(step)
         bar.close()
+
+    def _save(self, step: int) -> None:
+        self.last_checkpoint = self.checkpointer.save(
+            step, self._model, self._optimization.optimizer, self._optimization.scheduler,
+            {"data": self._data.state_dict(), "before": self.before})
 
     def seconds(self) -> float:
         """Seconds since the current step began."""

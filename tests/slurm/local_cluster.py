@@ -164,6 +164,34 @@ class LocalSlurm:
                              capture_output=True, text=True, check=True).stdout
         return [dict(zip(("id", "comment", "state"), line.split("|"))) for line in out.splitlines() if line]
 
+    def lose_node(self, node: str, job: str) -> list[int]:
+        """Take `node` away as a crashed machine would, mid-`job`: SIGKILL its slurmd, then every process of
+        the job (its slurmstepd and the tasks, found by SLURM_JOB_ID in their environment); returns their PIDs."""
+        daemon = self.processes[f"slurmd-{node}"]
+        daemon.kill()
+        daemon.wait(timeout=30)
+        killed = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                environ = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone, or not ours to read
+                continue
+            if cmdline.startswith(f"slurmstepd: [{job}.") or f"SLURM_JOB_ID={job}".encode() in environ:
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    killed.append(int(proc.name))
+                except ProcessLookupError:
+                    pass
+        return killed
+
+    def restart_node(self, node: str, timeout: float = 120) -> None:
+        """Start `node`'s slurmd again and wait until every node is idle (ReturnToService=2 takes it back)."""
+        self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.conf), "-N", node])
+        self._wait(lambda: self.sinfo_states() == ["idle"] * len(self.nodes), timeout, f"{node} to be idle again")
+
     def logs(self, tail: int = 3000) -> str:
         files = sorted(self.root.glob("*.out")) + sorted(self.state.glob("*.log"))
         if self._munge_dir is not None:
