@@ -174,7 +174,7 @@ def main() -> None:
     history: list[dict[str, Any]] = []
     with collection:
         before = run.measure_before(lambda: {"eval_accuracy": collection.held_out_accuracy(held_out)})
-        generator_start_s = collection.ready()  # after the evaluation above, which overlaps the generators' start
+        collection.ready()  # after the evaluation above, which overlaps the generators' start
         for step in run.steps():
             rollouts = collection.next()  # sampled by policy version rollouts.version <= collection.version
             t_train = time.perf_counter()
@@ -191,6 +191,7 @@ def main() -> None:
             )
             history.append(record)
             run.log_step(step, record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
+        collected = collection.summary()
     after = collection.held_out_accuracy(held_out)
     run.log(run.total_steps, {"eval_accuracy": after, "policy_version": collection.version})
     summary = {
@@ -198,8 +199,7 @@ def main() -> None:
         "eval_prompts": int(grpo["eval_prompts"]), "steps": run.total_steps, "mode": grpo["mode"],
         "backend": grpo["backend"], "policy_version": collection.version,
     }
-    if grpo["mode"] == "async":
-        summary["generator_start_s"] = generator_start_s
+    summary.update(collected)
     if history:
         step_s = sum(r["step_s"] for r in history)
         summary.update(

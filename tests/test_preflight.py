@@ -86,3 +86,15 @@ def test_a_dry_run_stops_on_a_missing_model_folder_before_any_job(tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "model.policy: /nonexistent/model: no such folder" in proc.stdout + proc.stderr
+
+
+def test_generator_nodes_are_for_async_grpo_and_leave_the_trainer_a_node():
+    text = _problems(grpo={"resources": {"nodes": 2, "generator_nodes": 1}}, sft={"resources": {"generator_nodes": 1}})
+    assert "grpo.resources.generator_nodes: 1: only async GRPO (grpo.mode: async)" in text
+    assert "sft.resources.generator_nodes: 1: only async GRPO" in text
+    text = _problems(grpo={"mode": "async", "resources": {"nodes": 2, "generator_nodes": 2}})
+    assert "grpo.resources.generator_nodes: 2 of 2 nodes leaves none to train on" in text
+    ok = copy.deepcopy(BASE)
+    ok["grpo"]["mode"] = "async"
+    ok["grpo"]["resources"].update(nodes=2, generator_nodes=1)
+    assert validate_config(ok)["grpo"]["resources"]["generator_nodes"] == 1

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from posttrain.training.resume import resume_dir
 from posttrain.workflow.launch import LaunchSpec, command_prefix
-from sft_testing import SFT_SCRIPT, SMALL_SFT, prepare_data, resolved_config, run_sft, write_config
+from grpo_testing import GRPO_SCRIPT, RANDOM_DATA, grpo_config, random_policy, summary
+from sft_testing import SFT_SCRIPT, SMALL_SFT, env_for, prepare_data, resolved_config, run_sft, write_config
 from test_dpo_stage import DPO_SCRIPT, SHORT, dpo_config, run_dpo
 from snakemake_testing import job_counts
 from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
@@ -343,3 +344,35 @@ def test_a_requeue_and_a_lost_node_through_snakemake_end_with_the_weights_of_an_
                        capture_output=True, timeout=600)
     assert _same_weights(tmp_path / "sft", sft)
     assert _same_weights(tmp_path / "dpo", dpo)
+
+
+def test_async_grpo_trains_on_the_first_node_and_generates_on_the_second(slurm_cluster, tmp_path):
+    """`grpo.resources: {nodes: 2, generator_nodes: 1}`, as the workflow launches it: node 1 runs the trainer's
+    torchrun and the Ray head (no CPUs of its own), node 2 a Ray worker that the generator actor lands on.
+    The weights equal the same async run on one node (trainer and a local Ray), bitwise."""
+    pytest.importorskip("ray")
+    data, model = random_policy(tmp_path)
+    cfg = grpo_config("ray-nodes", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, mode="async",
+                      generators=1, generator_threads=1, max_staleness=1, steps=4, prompts_per_step=4, group_size=4,
+                      max_new_tokens=8, eval_prompts=4, lr=1e-3, checkpoint_every=100)
+    config = write_config(cfg, tmp_path / "grpo.json")
+    args = ["--config", str(config), "--data", str(data), "--model", str(model)]
+    env = {**slurm_cluster.env, "PYTHONPATH": str(REPO / "tests"),
+           "PATH": f"{Path(sys.executable).parent}:{slurm_cluster.env['PATH']}"}
+    one_node = tmp_path / "one-node"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    str(GRPO_SCRIPT), *args, "--out", str(one_node)], env=env_for(threads=1, PYTHONPATH=env["PYTHONPATH"]),
+                   cwd=REPO, check=True, capture_output=True, timeout=900)
+
+    two_nodes = tmp_path / "two-nodes"
+    prefix = command_prefix(LaunchSpec(nodes=2, procs=1, threads=1, generator_nodes=1), str(REPO))
+    line = " ".join([prefix, str(GRPO_SCRIPT), *args, "--out", str(two_nodes)])
+    start = time.perf_counter()
+    proc = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=2000",
+                           "sh", "-c", line], env=env, capture_output=True, text=True, timeout=900)
+    print(f"async GRPO on two Slurm nodes: {time.perf_counter() - start:.0f} s")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{slurm_cluster.logs()}"
+    result = summary(two_nodes)
+    assert result["trainer_node"] == "n1" and result["generator_nodes"] == ["n2"], result
+    assert result["max_staleness_seen"] <= 1 and result["policy_version"] == 4
+    assert _same_weights(one_node, two_nodes)

@@ -429,6 +429,41 @@ def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
     assert log.read_text().splitlines() == ["node=0", *args(0), "node=1", *args(1)]
 
 
+def test_generator_nodes_run_ray_workers_and_the_first_node_a_ray_head(tmp_path):
+    """Fake srun/scontrol/torchrun/python: with generator_nodes 1 of 3, nodes 0 and 1 run torchrun over two
+    nodes, node 2 a Ray worker; node 0 starts the Ray head first and stops it after; all see one RAY_ADDRESS."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                'for node in 0 1 2; do SLURM_JOB_NODELIST="c[1-3]" SLURM_NODEID=$node "$@" || exit 1; done',
+        "scontrol": 'case "$*" in\n'
+                    '  "show hostnames c[1-3]") printf "c1\\nc2\\nc3\\n" ;;\n'
+                    '  "show node c1 -o") echo "NodeName=c1 NodeAddr=10.0.0.1" ;;\n'
+                    '  *) exit 1 ;;\n'
+                    'esac',
+        "torchrun": 'echo "node=$SLURM_NODEID torchrun $RAY_ADDRESS $*" >> "$LOG"',
+        "python": 'echo "node=$SLURM_NODEID python $*" >> "$LOG"; [ "$3" = head ] && exec sleep 30; exit 0',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    prefix = command_prefix(LaunchSpec(nodes=3, procs=1, threads=2, generator_nodes=1), "/repo")
+    log = tmp_path / "launch.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "LOG": str(log)}
+    subprocess.run(["bash", "-c", f"{prefix} stages/grpo.py --out o"], env=env, check=True, timeout=20)
+    lines = log.read_text().splitlines()
+    ray = "--address 10.0.0.1:39507"
+    assert f"node=0 python -m posttrain.rl.ray_node head {ray} --temp-dir /tmp/posttrain-ray-7-0" in lines
+    assert "node=0 torchrun 10.0.0.1:39507 --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr 10.0.0.1 " \
+           "--master-port 29507 stages/grpo.py --out o" in lines
+    assert any(line.startswith("node=1 torchrun 10.0.0.1:39507 --nnodes 2") and "--node-rank 1" in line for line in lines)
+    assert f"node=2 python -m posttrain.rl.ray_node worker {ray} --temp-dir /tmp/posttrain-ray-7-2 --cpus 2" in lines
+    assert not any(line.startswith("node=2 torchrun") for line in lines) and len(lines) == 4
+    with pytest.raises(ValueError, match="leaves none of the 2 nodes to train on"):
+        LaunchSpec(nodes=2, generator_nodes=2)
+
+
 def test_launch_spec_rejects_bad_values():
     for bad in ({"nodes": 0}, {"gpus": -1}, {"procs": "2; rm -rf ~"}, {"threads": True}, {"gpus": 2, "procs": 2}):
         with pytest.raises(ValueError, match="launch:"):

@@ -18,6 +18,8 @@ behind the last step trained) and give the held-out evaluation a worker at the t
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +83,10 @@ class _Collection:
         return correct / max(total, 1)
 
     def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary records about collection (call before the collection closes)."""
         return {}
 
     def __enter__(self) -> _Collection:
@@ -167,6 +173,12 @@ class AsyncCollection(_Collection):
 
     def step_metrics(self) -> dict[str, float]:
         return {"dropped_batches": len(self.collector.buffer.dropped)} if self.collector is not None else {}
+
+    def summary(self) -> dict[str, Any]:
+        """The generators' start time and the nodes they ran on, next to the trainer's (rank 0's)."""
+        nodes = sorted(set(self.collector.nodes())) if self.collector is not None else []
+        return {"generator_start_s": self._started_s, "generator_nodes": nodes,
+                "trainer_node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
 
     def __exit__(self, *exc: Any) -> None:
         if self.collector is not None:

@@ -21,6 +21,7 @@ token; `address` joins an existing cluster instead.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,18 +50,28 @@ def import_ray(local: bool = True) -> Any:
     return ray
 
 
-def start_ray(address: str | None, num_cpus: int, attempts: int = 3) -> Any:
-    """Join the cluster at `address`, or start a local one with `num_cpus` CPUs; returns the `ray` module.
+def start_ray(address: str | None, num_cpus: int, attempts: int = 3, join_timeout_s: float = 300) -> Any:
+    """Join the cluster at `address` (or `RAY_ADDRESS`, which a multi-node job's launcher sets), or start a
+    local one with `num_cpus` CPUs; returns the `ray` module.
 
-    Ray gives its local node 30 s to start (not configurable); on an overloaded machine that can
-    pass, so a local start is tried `attempts` times.
+    A cluster that is still starting (the launcher starts its head beside the trainer) is retried for
+    `join_timeout_s`. Ray gives its local node 30 s to start (not configurable); on an overloaded
+    machine that can pass, so a local start is tried `attempts` times.
     """
+    address = address or os.environ.get("RAY_ADDRESS") or None
     ray = import_ray(local=address is None)
     if ray.is_initialized():
         return ray
     if address is not None:
-        ray.init(address=address, include_dashboard=False)
-        return ray
+        deadline = time.monotonic() + join_timeout_s
+        while True:
+            try:
+                ray.init(address=address, include_dashboard=False)
+                return ray
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
     for attempt in range(1, attempts + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False)
@@ -97,6 +108,10 @@ class GeneratorActor:
 
     def versions(self) -> list[int]:
         return list(self.applied)
+
+    def node(self) -> str:
+        """Where this actor runs: its Slurm node (inherited from the Ray node started there), else the host."""
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class RayCollector:
@@ -166,6 +181,10 @@ class RayCollector:
         """Send policy `version` to every actor through the object store (one copy), queued behind earlier work."""
         ref = self.ray.put(weights)
         self.acks += [a.update_weights.remote(ref, version) for a in self.actors]
+
+    def nodes(self) -> list[str]:
+        """The node of each generator actor."""
+        return self.ray.get([a.node.remote() for a in self.actors])
 
     def versions(self) -> list[list[int]]:
         """Per actor, the versions it loaded, in order (waits for queued updates)."""

@@ -4,6 +4,8 @@
     gpus 0, procs P > 1         ->  torchrun --standalone --nnodes 1 --nproc-per-node P   (gloo)
     gpus G >= 1, one node       ->  torchrun --standalone --nnodes 1 --nproc-per-node G
     N > 1 nodes                 ->  srun (one task per node) torchrun --nnodes N --node-rank <node id> ...
+    N nodes, G generator nodes  ->  the same on the first N - G nodes; a Ray head beside the first
+                                    torchrun, a Ray worker on each of the last G (async GRPO)
 
 Every rule's shell line is `<prefix> stages/<stage>.py --config ... --out ...`. The prefix also sets
 PYTHONPATH to the checkout (so the scripts import the same `posttrain` as the workflow, also in a
@@ -26,6 +28,7 @@ from typing import Any
 
 RDZV_PORT = 29500  # the master's port: this plus the job id modulo PORT_SPREAD
 PORT_SPREAD = 10000
+RAY_PORT = RDZV_PORT + PORT_SPREAD  # a multi-node job's Ray head: this plus the job id modulo PORT_SPREAD
 _GRES_GPUS = re.compile(r"^gpu(?::[A-Za-z0-9_.]+)?:(\d+)$")
 
 
@@ -38,12 +41,16 @@ class LaunchSpec:
     procs: int = 1
     threads: int = 1
     rdzv_port: int = RDZV_PORT
+    generator_nodes: int = 0  # the last nodes of the allocation run Ray workers for the generators
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if f.name == "gpus" else 1):
-                raise ValueError(f"launch: {f.name} must be an integer >= {0 if f.name == 'gpus' else 1}, got {value!r}")
+            least = 0 if f.name in ("gpus", "generator_nodes") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"launch: {f.name} must be an integer >= {least}, got {value!r}")
+        if self.generator_nodes and self.generator_nodes >= self.nodes:
+            raise ValueError(f"launch: generator_nodes={self.generator_nodes} leaves none of the {self.nodes} nodes to train on")
         if self.gpus and self.procs > 1:
             raise ValueError(f"launch: procs={self.procs} with gpus={self.gpus}; procs is for CPU runs (one process per GPU)")
 
@@ -62,7 +69,8 @@ def spec_from_resources(resources: Mapping[str, Any], threads: int) -> LaunchSpe
             raise ValueError(f"launch: cannot read a GPU count from gres={gres!r} (expected gpu:N or gpu:model:N)")
         gpus = int(match.group(1))
     return LaunchSpec(
-        nodes=resources.get("nodes") or 1, gpus=gpus, procs=resources.get("procs") or 1, threads=threads
+        nodes=resources.get("nodes") or 1, gpus=gpus, procs=resources.get("procs") or 1, threads=threads,
+        generator_nodes=resources.get("generator_nodes") or 0,
     )
 
 
@@ -80,10 +88,27 @@ def job_resources(res: Mapping[str, Any]) -> dict[str, Any]:
         "mpi": "srun" if multi else None,
         "tasks": nodes if multi else None,
         "tasks_per_gpu": 0 if gpus and multi else None,
+        "generator_nodes": res.get("generator_nodes") or None,
     }
 
 
 RESOURCE_NAMES = tuple(job_resources({"nodes": 1, "gpus": 0, "procs": 1, "mem_mb": 1, "runtime": 1}))
+
+
+def _with_ray_nodes(torchrun: str, trainers: int, node_addr: str, cpus: int) -> str:
+    """Node k >= `trainers` runs a Ray worker (`posttrain.rl.ray_node`) instead of torchrun; node 0 runs the
+    Ray head beside its torchrun and stops it after; the trainer finds the head through RAY_ADDRESS. The
+    cluster is the job's own, like torchrun's rendezvous: no Ray token authentication."""
+    return (
+        f'export RAY_ADDRESS={node_addr}:"$(({RAY_PORT} + $SLURM_JOB_ID % {PORT_SPREAD}))" RAY_AUTH_MODE=disabled; '
+        'ray_tmp="/tmp/posttrain-ray-$SLURM_JOB_ID-$SLURM_NODEID"; '
+        f'if [ "$SLURM_NODEID" -ge {trainers} ]; then exec python -m posttrain.rl.ray_node worker'
+        f' --address "$RAY_ADDRESS" --temp-dir "$ray_tmp" --cpus {cpus}; fi; '
+        'head=; if [ "$SLURM_NODEID" -eq 0 ]; then'
+        ' python -m posttrain.rl.ray_node head --address "$RAY_ADDRESS" --temp-dir "$ray_tmp" & head=$!; fi; '
+        f'{torchrun}; status=$?; '
+        'if [ -n "$head" ]; then kill "$head"; wait "$head"; fi; exit $status'
+    )
 
 
 def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
@@ -102,13 +127,18 @@ def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
     # by the job id, so two multi-node jobs that share a first node do not collide.
     first_node = '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
     node_addr = f'"$(scontrol show node {first_node} -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p")"'
+    trainers = spec.nodes - spec.generator_nodes
     torchrun = (
-        f"exec torchrun --nnodes {spec.nodes} --nproc-per-node {spec.procs_per_node}"
+        f"torchrun --nnodes {trainers} --nproc-per-node {spec.procs_per_node}"
         ' --node-rank "$SLURM_NODEID"'
         f" --master-addr {node_addr}"
         f' --master-port "$(({spec.rdzv_port} + $SLURM_JOB_ID % {PORT_SPREAD}))"'
         ' "$@"'
     )
+    if spec.generator_nodes:
+        torchrun = _with_ray_nodes(torchrun, trainers, node_addr, spec.threads)
+    else:
+        torchrun = f"exec {torchrun}"
     gres = f" --gres=gpu:{spec.gpus}" if spec.gpus else ""
     return (
         f"{env} srun --nodes={spec.nodes} --ntasks={spec.nodes} --ntasks-per-node=1"

@@ -8,6 +8,7 @@ config can break are checked here, for every variant, with the config key to cha
 - optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
   one micro-batch;
 - tensor parallelism without LoRA/QLoRA adapters;
+- generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
 - model and data sources: a local folder or file the config names exists; a hub model id, with
   `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
   and are left to data prep).
@@ -25,7 +26,24 @@ LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def _processes(resources: Mapping[str, Any]) -> int:
-    return int(resources["nodes"]) * int(resources["gpus"] or resources["procs"])
+    """Training processes: per node, times the nodes left after the generator nodes."""
+    return (int(resources["nodes"]) - int(resources.get("generator_nodes", 0))) * int(resources["gpus"] or resources["procs"])
+
+
+def generator_node_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """`resources.generator_nodes` is async GRPO's, and leaves the trainer at least one node."""
+    problems = []
+    for section, values in cfg.items():
+        nodes = values.get("resources", {}).get("generator_nodes", 0) if isinstance(values, Mapping) else 0
+        if not nodes:
+            continue
+        if section != "grpo" or cfg["grpo"]["mode"] != "async":
+            problems.append((f"{section}.resources.generator_nodes", f"{nodes}: only async GRPO (grpo.mode: async) "
+                             "runs generators on nodes of their own"))
+        elif nodes >= values["resources"]["nodes"]:
+            problems.append((f"{section}.resources.generator_nodes", f"{nodes} of {values['resources']['nodes']} "
+                             "nodes leaves none to train on: raise grpo.resources.nodes"))
+    return problems
 
 
 def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -33,12 +51,15 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     problems = []
     tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
     in_backward = bool(cfg["memory"]["optimizer_in_backward"])
+    problems += generator_node_problems(cfg)
     for stage in TRAINING_SECTIONS:
         section = cfg[stage]
         if tp > 1 and section.get("method", "full") != "full":
             problems.append((f"{stage}.method", f"{section['method']}: tensor parallelism does not support LoRA/QLoRA "
                              "adapters; set parallel.tp: 1 or method: full"))
         world = _processes(section["resources"])
+        if world < 1:
+            continue  # said by generator_node_problems
         if world % (tp * replicate):
             problems.append((f"{stage}.resources", f"{world} processes, which parallel.tp ({tp}) x "
                              f"parallel.dp_replicate ({replicate}) does not divide"))
