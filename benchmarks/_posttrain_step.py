@@ -31,7 +31,7 @@ def grpo_step(state: dict[str, Any], prompts: Any, seed: int) -> dict[str, float
 
     model, optimizer, worker, grpo = state["model"], state["optimizer"], state["worker"], state["cfg"]["grpo"]
     groups = worker.collect(prompts, seed)
-    adv = advantages(groups, grpo["std_normalize"])
+    adv = advantages(groups, grpo["std_normalize"], grpo.get("advantage", "grpo"))
     rows = sum(g.group_size for g in groups)
     (batch,) = micro_batches(groups, adv, rows, state["pad_id"])
     logp, _ = state["head"].token_logprobs_and_entropy(model(batch.input_ids), batch.targets, batch.mask,

@@ -1,4 +1,4 @@
-"""dpo: preference optimization of the SFT model (sigmoid DPO, IPO or SimPO; full, LoRA or QLoRA).
+"""dpo: preference optimization of the SFT model (sigmoid DPO, IPO, SimPO or ORPO; full, LoRA or QLoRA).
 
     python stages/dpo.py --config RESOLVED.json --data results/data/<key> --model results/sft/<key> --out results/dpo/<key>
     torchrun --nproc-per-node N stages/dpo.py ...
@@ -13,7 +13,7 @@ optimizer step, split into `dpo.grad_accum` micro-batches; each pair weighs the 
 The reference is the starting model. `dpo.reference: precompute` scores every training pair with
 it once, before training, and caches the log-probs in `<out>.resume/` (no reference model in
 memory while training); `online` scores each batch with a frozen copy (full) or with the
-adapters disabled (LoRA/QLoRA). SimPO needs no reference.
+adapters disabled (LoRA/QLoRA). SimPO and ORPO need no reference (ORPO adds the chosen NLL itself).
 
 Held-out pairs come from the `eval` split (each task's answer vs. its plausible mistake). Before
 training the starting model's likelihood ranking of them is measured (`likelihood_acc_sft`: share of
@@ -49,7 +49,7 @@ from posttrain.dpo import (
     score_pairs,
 )
 from posttrain.evaluation import eval_pairs
-from posttrain.losses.dpo import preference_loss
+from posttrain.losses.dpo import REFERENCE_FREE, preference_loss
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.models.lora import disable_adapters
@@ -110,7 +110,7 @@ def likelihood_accuracy(logps: PairLogps, per_token: bool) -> float:
 
 def pair_loss(dpo: dict[str, Any], policy: PairLogps,
               ref: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`preference_loss` for the configured loss type (reference log-probs None for SimPO)."""
+    """`preference_loss` for the configured loss type (reference log-probs None for SimPO and ORPO)."""
     ref_chosen, ref_rejected = ref if ref is not None else (None, None)
     return preference_loss(
         dpo["loss"], policy.chosen, policy.rejected, policy.chosen_tokens, policy.rejected_tokens,
@@ -154,8 +154,8 @@ def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("pairs",))
     cfg, dpo, args = run.cfg, run.section, run.args
     accum = int(dpo["grad_accum"])
-    uses_reference = dpo["loss"] != "simpo"
-    per_token = dpo["loss"] in ("ipo", "simpo")
+    uses_reference = dpo["loss"] not in REFERENCE_FREE
+    per_token = dpo["loss"] in ("ipo", "simpo", "orpo")
     hf_config = model_config(args.model, run.tokenizer)
     model = run.build_model(args.model, hf_config, dpo["method"], dpo["lora"])
     head = OutputHead(model, run.mesh, run.memory)

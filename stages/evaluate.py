@@ -37,6 +37,7 @@ from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
 from posttrain.evaluation.lm_eval import run_lm_eval
+from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer
@@ -94,7 +95,7 @@ def preference_metrics(model: Transformer, model_dir: Path, record: dict[str, An
         return {"pref_acc": None, "pref_acc_note": "no eval row carries response and rejected_response to pair"}
     dpo_cfg = record["config"]["dpo"]
     reference = None
-    if dpo_cfg["loss"] != "simpo":
+    if dpo_cfg["loss"] not in REFERENCE_FREE:
         folder = reference_folder(model_dir, record, reference_override)
         if not folder.is_dir():
             return {"pref_acc": None, "pref_acc_note": f"reference model {folder} not found (pass --reference)"}

@@ -80,11 +80,14 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
     computes anyway; the generator's log-probs enter only the truncated importance weight.
     """
     temperature, passes = float(grpo["temperature"]), int(grpo["inner_epochs"])
-    batches = micro_batches(rollouts.groups, advantages(rollouts.groups, grpo["std_normalize"]),
-                            int(grpo["micro_batch_size"]), pad_id, length_multiple=mesh_size(mesh, "tp"))
+    adv = advantages(rollouts.groups, grpo["std_normalize"], grpo["advantage"],
+                     lambda values: data_parallel_sum(values, mesh, device))
+    batches = micro_batches(rollouts.groups, adv, int(grpo["micro_batch_size"]), pad_id,
+                            length_multiple=mesh_size(mesh, "tp"))
     step_tokens, step_rows = data_parallel_sum(
         [sum(int(b.mask.sum()) for b in batches), sum(len(b.advantages) for b in batches)], mesh, device)
-    denominator = step_tokens if grpo["token_level"] else step_rows
+    # GSPO's loss is a mean over sequences; token-level normalization is a token ratio's
+    denominator = step_tokens if grpo["token_level"] and grpo["ratio"] == "token" else step_rows
     old: list[torch.Tensor] = []
     ref: list[torch.Tensor | None] = []
     sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight"), 0.0)
@@ -106,7 +109,7 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
                     logp, old[i], batch.advantages, batch.mask, clip_eps=float(grpo["clip_eps"]),
                     token_level=bool(grpo["token_level"]), denominator=denominator, ref_logprobs=ref[i],
                     kl_coef=float(grpo["kl_coef"]), generator_logprobs=batch.generator_logprobs,
-                    tis_cap=float(grpo["tis_cap"]),
+                    tis_cap=float(grpo["tis_cap"]), clip_eps_high=grpo["clip_eps_high"], ratio_level=grpo["ratio"],
                 )
                 optimization.backward(loss)
             sums["loss"] += float(local_value(loss.detach()))

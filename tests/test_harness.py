@@ -195,3 +195,11 @@ def test_the_reward_stage_refuses_several_processes(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env_for())
     assert proc.returncode != 0
     assert "reward: error: reward runs as one process, but was started as 2" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_held_out_log_probs_agree_on_both_paths():
+    model, batch = _model(), _batch()
+    hidden = model(batch["input_ids"]).detach()
+    kept = [OutputHead(model, None, memory).kept_token_logprobs(hidden, batch["labels"]) for memory in (CHUNKED, FULL)]
+    assert kept[0].shape == (27,)
+    torch.testing.assert_close(kept[0], kept[1], rtol=1e-5, atol=1e-5)

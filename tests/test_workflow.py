@@ -157,6 +157,14 @@ def test_example_sweep_table_shares_the_prefix():
     assert len(plan.jobs["dpo"]) == 1 and len(plan.jobs["reward"]) == 1 and len(plan.jobs["grpo"]) == 3
 
 
+def test_rl_methods_table_plans_one_sft_dpo_and_reward_job():
+    plan = build_plan(cfg_with(ablations=str(REPO / "config/examples/ablations-rl.tsv")))
+    assert list(plan.variants) == ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo"]
+    assert {stage: len(plan.jobs[stage]) for stage in ("prepare_data", "sft", "dpo", "reward", "grpo")} == {
+        "prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 6}
+    assert plan.variants["dapo"].stages["grpo"].resolved["grpo"]["clip_eps_high"] == 0.28
+
+
 def test_seed_table_replicates_the_default_pipeline(tmp_path):
     plan = build_plan(cfg_with(ablations=str(REPO / "config/seeds.tsv")))
     assert list(plan.variants) == ["seed1234", "seed1", "seed2"]

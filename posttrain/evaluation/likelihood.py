@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from posttrain.data.tokenize import preference_split
 from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.dpo import preference_loss
-from posttrain.losses.logprobs import kept_token_logprobs, sequence_logprobs
+from posttrain.losses.dpo import REFERENCE_FREE, preference_loss
+from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.tokenizer import Tokenizer
 
@@ -34,11 +34,12 @@ def heldout_nll(model: Transformer, batches: Iterable[Mapping[str, torch.Tensor]
     Batches are those of `posttrain.data.loader.sft_batches` (packed rows, per-document attention).
     """
     device = _device(model)
+    head = OutputHead(model, None, {"chunked_ce": True, "ce_chunks": num_chunks})
     nll_sum, tokens = 0.0, 0
     for batch in tqdm(batches, total=total, desc="held-out NLL", unit="batch", mininterval=1.0):
         hidden = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                        document_ids=batch["document_ids"].to(device))
-        logps = kept_token_logprobs(hidden, model.lm_head, batch["labels"].to(device), num_chunks=num_chunks)
+        logps = head.kept_token_logprobs(hidden, batch["labels"].to(device))
         nll_sum -= logps.double().sum().item()
         tokens += logps.numel()
     if tokens == 0:
@@ -76,13 +77,14 @@ def completion_logprobs(model: Transformer, input_ids: Sequence[Sequence[int]], 
                         pad_id: int, batch_size: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-prob of each sequence's labelled tokens and their count, ``[N]`` each (float64/int64)."""
     device = _device(model)
+    head = OutputHead(model, None, {"chunked_ce": True, "ce_chunks": 8})  # the memory defaults (one process)
     sums, counts = [], []
     for start in tqdm(range(0, len(input_ids), batch_size), desc=desc, unit="batch", mininterval=1.0):
         ids = pad_sequence([torch.tensor(x) for x in input_ids[start : start + batch_size]],
                            batch_first=True, padding_value=pad_id).to(device)
         lab = pad_sequence([torch.tensor(x) for x in labels[start : start + batch_size]],
                            batch_first=True, padding_value=IGNORE_INDEX).to(device)
-        total, count = sequence_logprobs(model(ids), model.lm_head, lab)
+        total, count = head.sequence_logprobs(model(ids), lab)
         sums.append(total.double().cpu())
         counts.append(count.cpu())
     return torch.cat(sums), torch.cat(counts)
@@ -95,7 +97,7 @@ def implicit_preference_accuracy(
     """Share of pairs whose implicit reward (as defined by ``dpo.loss``) favours the chosen response.
 
     sigmoid/IPO: ``beta * (log pi - log pi_ref)`` (IPO length-averaged) needs the reference;
-    SimPO's ``beta * mean log pi`` does not. Ties count as wrong.
+    SimPO's ``beta * mean log pi`` and ORPO's do not. Ties count as wrong.
     """
     n = len(pairs["chosen_input_ids"])
     if n == 0:
@@ -104,7 +106,7 @@ def implicit_preference_accuracy(
     labels = pairs["chosen_labels"] + pairs["rejected_labels"]
     logps, lengths = completion_logprobs(policy, ids, labels, pad_id, batch_size, "preference pairs (policy)")
     ref = None
-    if dpo_cfg["loss"] != "simpo":
+    if dpo_cfg["loss"] not in REFERENCE_FREE:
         if reference is None:
             raise ValueError(f"dpo.loss={dpo_cfg['loss']} needs the reference model")
         ref, _ = completion_logprobs(reference, ids, labels, pad_id, batch_size, "preference pairs (reference)")

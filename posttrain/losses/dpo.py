@@ -1,4 +1,4 @@
-"""Preference losses on per-sequence log-probs: sigmoid DPO (with label smoothing), IPO, SimPO.
+"""Preference losses on per-sequence log-probs: sigmoid DPO (with label smoothing), IPO, SimPO, ORPO.
 
 Inputs are the summed log-probs of each completion's kept tokens and their token counts, as
 returned by ``posttrain.losses.logprobs.sequence_logprobs``; all tensors are ``[num_pairs]``.
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-PreferenceLossType = Literal["sigmoid", "ipo", "simpo"]
+PreferenceLossType = Literal["sigmoid", "ipo", "simpo", "orpo"]
+REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
 
 
 def _metrics(
@@ -96,6 +98,35 @@ def simpo_loss(
     return losses.mean(), _metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected)
 
 
+def orpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    chosen_lengths: Tensor,
+    rejected_lengths: Tensor,
+    beta: float = 0.1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """ORPO (Hong et al. 2024), reference-free: the chosen NLL plus ``beta`` times the odds-ratio loss.
+
+    With ``p = exp(average log-prob)`` of a completion and ``odds = p / (1 - p)``, the loss is
+    ``-avg log p(chosen) - beta * log sigma(log odds(chosen) - log odds(rejected))`` (beta is the
+    paper's lambda, TRL's ``beta``). ``log(1 - p)`` is taken as ``log(-expm1(avg log p))``, exact
+    near p = 0 and finite up to p = 1 - 1e-6. Rewards are ``beta * avg log p``.
+    """
+    chosen = policy_chosen / chosen_lengths.clamp(min=1)
+    rejected = policy_rejected / rejected_lengths.clamp(min=1)
+    top = -1e-6  # an average log-prob of 0 would make the odds infinite
+
+    def log_odds(avg: Tensor) -> Tensor:
+        avg = avg.clamp(max=top)
+        return avg - torch.log(-torch.expm1(avg))
+
+    ratio = log_odds(chosen) - log_odds(rejected)
+    losses = -chosen - beta * F.logsigmoid(ratio)
+    metrics = _metrics(beta * chosen, beta * rejected, policy_chosen, policy_rejected)
+    metrics["orpo/log_odds_ratio"] = ratio.detach().mean()
+    return losses.mean(), metrics
+
+
 def preference_loss(
     loss_type: PreferenceLossType,
     policy_chosen: Tensor,
@@ -110,7 +141,7 @@ def preference_loss(
     simpo_gamma: float = 0.5,
     chosen_nll_weight: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dispatch on the ``dpo.loss`` config value; reference log-probs are needed except for SimPO.
+    """Dispatch on the ``dpo.loss`` config value; reference log-probs are needed except for SimPO and ORPO.
 
     ``chosen_nll_weight`` > 0 adds that multiple of the chosen responses' per-token negative
     log-likelihood (RPO, Pang et al. 2024): preference losses can lower the chosen likelihood along
@@ -118,8 +149,10 @@ def preference_loss(
     """
     if loss_type == "simpo":
         loss, metrics = simpo_loss(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, simpo_gamma)
+    elif loss_type == "orpo":
+        loss, metrics = orpo_loss(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta)
     elif loss_type not in ("sigmoid", "ipo"):
-        raise ValueError(f"dpo.loss must be one of sigmoid, ipo, simpo; got {loss_type!r}")
+        raise ValueError(f"dpo.loss must be one of sigmoid, ipo, simpo, orpo; got {loss_type!r}")
     elif ref_chosen is None or ref_rejected is None:
         raise ValueError(f"dpo.loss={loss_type} needs reference log-probs")
     elif loss_type == "sigmoid":

@@ -4,8 +4,9 @@ Chunked (the default) never holds a `[B, S, V]` logits tensor: the kept position
 and scored a chunk at a time (`posttrain.losses.logprobs`). The full-logits path is taken under
 tensor parallelism, where the vocabulary-sharded logits go straight into `F.cross_entropy` inside
 `loss_parallel` (`context()`), or with `memory.chunked_ce: false` (the memory baseline). SFT's
-cross-entropy, DPO's sequence log-probs, GRPO's token log-probs and entropies and the KD
-divergence all go through one `OutputHead`, so the choice cannot drift between stages.
+cross-entropy, DPO's sequence log-probs, GRPO's token log-probs and entropies, the KD divergence
+and the evaluate stage's held-out NLL and preference scores all go through one `OutputHead`, so the
+choice cannot drift between stages. (The reward model's head is a scalar score, not this one.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy
 from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.logprobs import sequence_logprobs, token_logprobs_and_entropy
+from posttrain.losses.logprobs import kept_token_logprobs, sequence_logprobs, token_logprobs_and_entropy
 from posttrain.models import Transformer
 from posttrain.parallel import loss_context, uses_tensor_parallel
 
@@ -62,6 +63,12 @@ class OutputHead:
         if self.full_logits:
             return full_cross_entropy(hidden, self.project, labels, reduction="sum")
         return linear_cross_entropy(hidden, self.project, labels, num_chunks=self.num_chunks, reduction="sum")
+
+    def kept_token_logprobs(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """Log-probs `[N]` of the labelled tokens, row-major (held-out NLL sums them in float64)."""
+        if self.full_logits:
+            return -plain(self._token_nll(hidden, labels))[(labels != IGNORE_INDEX).flatten()]
+        return kept_token_logprobs(hidden, self.project, labels, num_chunks=self.num_chunks)
 
     def sequence_logprobs(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Summed log-prob `[B]` of each row's labelled tokens and their count `[B]`."""

@@ -9,14 +9,14 @@ Right padding needs no attention mask: causal attention keeps padding out of rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.grpo import group_advantages
+from posttrain.losses.grpo import batch_normalize, group_advantages
 from posttrain.rl.rollout import RolloutGroup
 
 
@@ -36,13 +36,24 @@ class MicroBatch:
                             (self.input_ids, self.targets, self.generator_logprobs, self.advantages)))
 
 
-def advantages(groups: Sequence[RolloutGroup], std_normalize: bool) -> Tensor:
-    """Group-relative advantages of every completion, group after group (float32)."""
+def advantages(groups: Sequence[RolloutGroup], std_normalize: bool, estimator: str = "grpo",
+               batch_sums: Callable[[list[Tensor]], list[float]] | None = None) -> Tensor:
+    """Advantages of every completion, group after group (float32), by `estimator` (`posttrain.losses.grpo`).
+
+    `reinforce_pp` normalizes over the whole step: `batch_sums` sums a list of values over every
+    data-parallel rank (`posttrain.training.stats.data_parallel_sum`); None: this rank's groups are
+    the whole step.
+    """
     sizes = {g.group_size for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"rollout groups have different sizes {sorted(sizes)}; advantages need one group size")
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-    return group_advantages(rewards, sizes.pop(), std_normalize=std_normalize)
+    adv = group_advantages(rewards, sizes.pop(), std_normalize=std_normalize, estimator=estimator)
+    if estimator != "reinforce_pp":
+        return adv
+    sums = [adv.double().sum(), adv.double().square().sum(), adv.numel()]
+    total, total_sq, count = batch_sums(sums) if batch_sums is not None else [float(v) for v in sums]
+    return batch_normalize(adv, total, total_sq, count)
 
 
 def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, pad_id: int,

@@ -1,0 +1,147 @@
+"""RL methods beside GRPO: RLOO and REINFORCE++ advantages, GSPO's sequence-level ratio and DAPO's clip-higher,
+each against an independent float64 implementation of the paper's formula (loops and numpy, not the
+library's tensor code), and one optimizer step on each loss lowers it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from method_testing import lowered_by_one_step
+from posttrain.losses.grpo import group_advantages, grpo_loss
+from posttrain.rl.batch import advantages
+from posttrain.rl.rollout import RolloutGroup
+
+RNG = np.random.default_rng(7)
+
+
+def test_rloo_subtracts_the_mean_of_the_other_completions():
+    groups, k = 5, 4
+    rewards = RNG.normal(size=groups * k)
+    expected = np.array([rewards[i] - np.mean([rewards[j] for j in range(g * k, (g + 1) * k) if j != i])
+                         for g in range(groups) for i in range(g * k, (g + 1) * k)])
+    got = group_advantages(torch.tensor(rewards), k, estimator="rloo")
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def _groups(rewards: np.ndarray, k: int) -> list[RolloutGroup]:
+    return [RolloutGroup(prompt_ids=[1], example={}, completions=[[2]] * k, logprobs=[[-1.0]] * k,
+                         finish_reasons=["stop"] * k, rewards=list(rewards[g * k:(g + 1) * k]),
+                         correct=[False] * k, version=0, index=g)
+            for g in range(len(rewards) // k)]
+
+
+def test_reinforce_pp_normalizes_group_centred_rewards_over_the_whole_step():
+    k = 4
+    rewards = RNG.integers(0, 3, size=8 * k).astype(np.float64)
+    centred = [rewards[i] - rewards[i // k * k:(i // k + 1) * k].mean() for i in range(len(rewards))]
+    mean, std = np.mean(centred), np.std(centred, ddof=1)
+    expected = [(c - mean) / (std + 1e-6) for c in centred]
+    whole = advantages(_groups(rewards, k), std_normalize=True, estimator="reinforce_pp")
+    np.testing.assert_allclose(whole.numpy(), expected, rtol=1e-5, atol=1e-6)
+    # Split over two data-parallel ranks: the global sums give each rank its share of the same advantages.
+    halves = [_groups(rewards[:4 * k], k), _groups(rewards[4 * k:], k)]
+    centred = [group_advantages(torch.tensor([r for g in h for r in g.rewards], dtype=torch.float32), k,
+                                estimator="reinforce_pp").double() for h in halves]
+    summed = [sum(float(c.sum()) for c in centred), sum(float(c.square().sum()) for c in centred),
+              sum(c.numel() for c in centred)]
+    shards = [advantages(h, True, "reinforce_pp", batch_sums=lambda values: summed) for h in halves]
+    torch.testing.assert_close(torch.cat(shards), whole)
+
+
+def _case(batch: int = 6, length: int = 7, seed: int = 0):
+    g = np.random.default_rng(seed)
+    logp = np.log(g.uniform(0.05, 0.95, size=(batch, length)))
+    old = logp + g.normal(scale=0.3, size=logp.shape)
+    adv = g.normal(size=batch)
+    mask = (g.uniform(size=logp.shape) > 0.25).astype(np.float64)
+    mask[:, 0] = 1.0
+    return logp, old, adv, mask
+
+
+def _reference(logp, old, adv, mask, low, high, level):
+    """The papers' formulas, written out per sequence and token."""
+    if level == "sequence":  # GSPO, eq. 5-7: s_i = (pi / pi_old)^(1/|y_i|), a mean over sequences
+        total = 0.0
+        for i in range(len(adv)):
+            tokens = mask[i] > 0
+            s = np.exp(np.sum(logp[i][tokens] - old[i][tokens]) / tokens.sum())
+            total += -min(s * adv[i], np.clip(s, 1 - low, 1 + high) * adv[i])
+        return total / len(adv)
+    total, count = 0.0, 0  # PPO's token ratio, DAPO's token-level sum and clip-higher bounds
+    for i in range(len(adv)):
+        for t in range(logp.shape[1]):
+            if mask[i, t]:
+                r = np.exp(logp[i, t] - old[i, t])
+                total += -min(r * adv[i], np.clip(r, 1 - low, 1 + high) * adv[i])
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("level,low,high", [("token", 0.2, 0.28), ("sequence", 0.2, 0.2), ("sequence", 0.1, 0.3)])
+def test_policy_losses_match_the_papers_formulas(level, low, high):
+    logp, old, adv, mask = _case()
+    got, metrics = grpo_loss(torch.tensor(logp), torch.tensor(old), torch.tensor(adv), torch.tensor(mask), clip_eps=low,
+                             clip_eps_high=high, ratio_level=level)
+    assert got.item() == pytest.approx(_reference(logp, old, adv, mask, low, high, level), rel=1e-12)
+    assert 0.0 <= metrics["clip_frac"].item() <= 1.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_gradient_is_the_formulas(level):
+    logp, old, adv, mask = _case(batch=3, length=4, seed=3)
+    x = torch.tensor(logp, requires_grad=True)
+
+    def loss(lp):
+        return grpo_loss(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), clip_eps=0.2,
+                         clip_eps_high=0.3, ratio_level=level)[0]
+
+    assert torch.autograd.gradcheck(loss, (x,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("estimator,level,high", [
+    ("rloo", "token", None), ("reinforce_pp", "token", None), ("grpo", "sequence", None), ("grpo", "token", 0.28),
+])
+def test_one_optimizer_step_lowers_each_loss(estimator, level, high):
+    """A toy policy (free logits per position) trained on its own samples: one step lowers the loss."""
+    torch.manual_seed(0)
+    groups, k, length, vocab = 4, 4, 5, 11
+    logits = torch.nn.Parameter(torch.randn(groups * k, length, vocab))
+    targets = torch.randint(0, vocab, (groups * k, length))
+    mask = torch.ones(groups * k, length)
+    rewards = torch.tensor(RNG.normal(size=groups * k), dtype=torch.float32)
+    adv = group_advantages(rewards, k, estimator=estimator)
+    if estimator == "reinforce_pp":
+        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
+
+    def loss() -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        return grpo_loss(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=high, ratio_level=level)[0]
+
+    with torch.no_grad():
+        old = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    assert lowered_by_one_step(logits, loss)
+
+
+@pytest.mark.slow
+def test_the_grpo_stage_runs_rloo_reinforce_pp_and_gspo_with_clip_higher(tmp_path):
+    """The stage selects the methods by config (two steps each on a random policy, one process; the
+    reinforce_pp step normalizes over the whole step's batch)."""
+    from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, step_records
+    from sft_testing import weights
+
+    data, model = random_policy(tmp_path)
+    start = weights(model)
+    for name, method in {"rloo": {"advantage": "rloo"}, "reinforce_pp": {"advantage": "reinforce_pp"},
+                         "gspo": {"ratio": "sequence", "clip_eps_high": 0.28}}.items():
+        cfg = grpo_config(name, data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=2,
+                          prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=1e-3, **method)
+        out = tmp_path / name
+        run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).parent))
+        records = step_records(out)
+        assert len(records) == 2 and all(np.isfinite(r["loss"]) and 0.0 <= r["clip_frac"] <= 1.0 for r in records)
+        trained = weights(out)
+        assert any(not torch.equal(trained[k], start[k]) for k in start), name
