@@ -12,17 +12,10 @@ is missing on one side, or when the trees share no variant.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from posttrain.utils.io import file_sha256
 
 
 def stage_outputs(results: Path) -> dict[tuple[str, str], Path]:
@@ -53,7 +46,7 @@ def compare(before: Path, after: Path) -> list[tuple[str, str, str, str]]:
             if name not in files_a or name not in files_b:
                 rows.append((variant, stage, name, f"missing in {'before' if name not in files_a else 'after'}"))
             else:
-                same = sha256(files_a[name]) == sha256(files_b[name])
+                same = file_sha256(files_a[name]) == file_sha256(files_b[name])
                 rows.append((variant, stage, name, "identical" if same else "DIFFERENT"))
     return rows
 

@@ -12,7 +12,6 @@ counts wrote bitwise-identical models. Exit status 1 when a claim fails in any r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from safetensors.torch import load_file
 
 from posttrain.evaluation.readme_table import machine_description, read_machine
 from posttrain.evaluation.summary import read_summary
+from posttrain.utils.io import file_sha256
 from posttrain.workflow.plan import MODEL_STAGES, STAGE_DIRS
 
 Stages = Mapping[str, pd.Series]  # stage -> its summary row, for one variant
@@ -51,7 +51,7 @@ def model_path(report: Path, stage: str, key: str) -> Path:
 
 
 def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+    return file_sha256(path) if path.is_file() else "missing"
 
 
 def max_abs_difference(paths: Sequence[Path]) -> float:

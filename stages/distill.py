@@ -147,7 +147,7 @@ def main() -> None:
         record["tokens_per_s"] = useful_tokens / run.seconds()
         if generated is not None:
             record["generated_tokens"] = generated
-        run.log_step(step, record, postfix={"loss": ".4f", "divergence": ".4f"})
+        run.log_step(record, postfix={"loss": ".4f", "divergence": ".4f"})
 
     # --- held-out divergence and greedy accuracy of teacher and student ---
     after = evaluate()

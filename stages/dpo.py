@@ -203,7 +203,7 @@ def main() -> None:
         record = {name: value / int(dpo["batch_size"]) for name, value in zip(sums, totals)}
         record.update(optimization.step(step, record["loss"]))
         record["tokens_per_s"] = totals[-1] / run.seconds()
-        run.log_step(step, record, postfix={"loss": ".4f", "rewards/accuracy": ".2f"})
+        run.log_step(record, postfix={"loss": ".4f", "rewards/accuracy": ".2f"})
 
     summary: dict[str, Any] = {"steps": run.total_steps, "reference": dpo["reference"] if uses_reference else None,
                                "train_loss_last": record.get("loss"), "train_reward_acc_last": record.get("rewards/accuracy")}

@@ -193,7 +193,7 @@ def main() -> None:
                 **collection.step_metrics(),
             )
             history.append(record)
-            run.log_step(step, record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
+            run.log_step(record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
         collected = collection.summary()
     after = collection.held_out_accuracy(held_out)
     run.log(run.total_steps, {"eval_accuracy": after, "policy_version": collection.version})

@@ -171,7 +171,7 @@ def train_reward_model(run: StageRun, model_dir: str) -> tuple[RewardModel, dict
         record.update({f"rm/{k}": v for k, v in optimization.step(step, record["rm/loss"]).items()})
         if step % RM_EVAL_EVERY == 0 or step == run.total_steps:
             record["rm/held_out_accuracy"] = pairwise_accuracy(model, held_out, pad_id, device)
-        run.log_step(step, record, postfix={"rm/loss": ".4f"})
+        run.log_step(record, postfix={"rm/loss": ".4f"})
     run.metrics.close()
     model.eval()
     return model, {

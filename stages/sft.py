@@ -77,7 +77,7 @@ def main() -> None:
         last_loss = step_loss / max(loss_tokens, 1)
         record = {"loss": last_loss, **optimization.step(step, last_loss), "loss_tokens": int(loss_tokens)}
         record["tokens_per_s"] = useful_tokens / run.seconds()
-        run.log_step(step, record, postfix={"loss": ".4f", "tokens_per_s": ".0f"})
+        run.log_step(record, postfix={"loss": ".4f", "tokens_per_s": ".0f"})
 
     after = evaluate()
     run.log(run.total_steps, after)

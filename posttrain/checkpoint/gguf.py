@@ -14,7 +14,6 @@ sha256, and the package and version that shipped it. The folder appears complete
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -23,17 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint.hf import CheckpointError, save_hf_model
-from posttrain.utils.io import atomic_dir
+from posttrain.utils.io import atomic_dir, file_sha256
 
 SOURCE_FILE = "gguf-source.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def packaged_gguf(package: str) -> Path:
@@ -63,7 +54,7 @@ def convert(gguf: Path, out: Path, package: str | None = None) -> Path:
     except Exception as e:  # transformers raises many types for an unreadable or unsupported file
         raise CheckpointError(f"{gguf}: transformers cannot read it as a GGUF checkpoint ({type(e).__name__}: {e})") from e
     config: dict[str, Any] = model.config.to_dict()
-    source = {"gguf": str(gguf), "sha256": sha256(gguf), "architecture": config.get("model_type")}
+    source = {"gguf": str(gguf), "sha256": file_sha256(gguf), "architecture": config.get("model_type")}
     if package:
         source.update(package=package, version=importlib.metadata.version(package))
     with atomic_dir(out) as tmp:

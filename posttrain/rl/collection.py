@@ -140,7 +140,6 @@ class AsyncCollection(_Collection):
                                           max_staleness=int(grpo["max_staleness"]), threads_per_generator=threads,
                                           gpus_per_generator=float(grpo["generator_gpus"]))
         self.eval_worker = build_worker(dataclasses.replace(spec, backend="native"))
-        self._eval_version = 0
         self._started_s = 0.0
 
     def _start_at(self, version: int) -> None:
@@ -166,9 +165,8 @@ class AsyncCollection(_Collection):
             self.collector.push_weights(weights, self.version)
 
     def held_out_accuracy(self, prompts: PromptBatch) -> float:
-        if self._eval_version != self.version:  # the native eval worker follows the trainer only when asked
+        if self.eval_worker.version != self.version:  # the native eval worker follows the trainer only when asked
             self.eval_worker.start_at(policy_weights(self.model, every_rank=True), self.version)
-            self._eval_version = self.version
         return super().held_out_accuracy(prompts)
 
     def step_metrics(self) -> dict[str, float]:

@@ -7,7 +7,7 @@
     before = run.measure_before(evaluate)                 # logged at step 0, kept across a resume
     for step in run.steps():                              # progress, timing, checkpoints, SIGTERM
         ...                                               # the stage's own step
-        run.log_step(step, record)
+        run.log_step(record)
     run.finish(model, hf_config, summary)                 # final HF folder, provenance, resume state removed
 
     if __name__ == "__main__":
@@ -23,7 +23,6 @@ reports the same "before" numbers on every rank.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, Protocol
 
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.models import Transformer
-from posttrain.parallel import barrier, build_mesh, data_parallel_rank, destroy, init_distributed
+from posttrain.parallel import build_mesh, data_parallel_rank, destroy, init_distributed
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.final_model import save_final_model
 from posttrain.training.faults import (
@@ -42,7 +41,7 @@ from posttrain.training.faults import (
     pause_if_requested,
 )
 from posttrain.training.optimization import Optimization
-from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, resume_dir
+from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, remove_resume_state, resume_dir
 from posttrain.training.setup import build_model, seed_everything
 from posttrain.utils.io import refuse_other_run
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
@@ -86,7 +85,7 @@ class StageRun:
         self.last_checkpoint: Path | None = None
         self.before: dict[str, Any] = {}
         self._resumed: ResumePoint | None = None
-        self._record: dict[str, Any] | None = None
+        self._record: tuple[dict[str, Any], dict[str, str]] | None = None
 
     # --- setup ---
 
@@ -178,7 +177,7 @@ class StageRun:
         """Seconds since the current step began."""
         return time.perf_counter() - self._t0
 
-    def log_step(self, step: int, record: dict[str, Any], postfix: Mapping[str, str] | None = None) -> None:
+    def log_step(self, record: dict[str, Any], postfix: Mapping[str, str] | None = None) -> None:
         """The step's metrics (`step_s` and `peak_memory_mb` added); `postfix`: metric -> format for the bar."""
         record.setdefault("step_s", self.seconds())
         record["peak_memory_mb"] = peak_memory_mb(self.device)
@@ -203,9 +202,7 @@ class StageRun:
 
     def done(self) -> None:
         """The output is complete: remove the resume state and give SIGTERM back its previous handler."""
-        barrier()
-        if self.is_main:
-            shutil.rmtree(resume_dir(self.out), ignore_errors=True)
+        remove_resume_state(resume_dir(self.out))
         self.stop.restore()
 
 

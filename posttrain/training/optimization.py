@@ -41,7 +41,7 @@ class Optimization:
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(model, section, memory)
         self.in_backward = isinstance(self.optimizer, OptimizerInBackward)
         self.clip = max_grad_norm(section)
-        self.guard = NonFiniteLossGuard(int(section.get("skip_nonfinite", 0)), f"{config_key}.skip_nonfinite",
+        self.guard = NonFiniteLossGuard(int(section["skip_nonfinite"]), f"{config_key}.skip_nonfinite",
                                         skip_possible=not self.in_backward)
         self.replicas = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard")
         self.last_checkpoint = last_checkpoint

@@ -234,9 +234,14 @@ class Checkpointer:
 
     def remove(self) -> None:
         """Delete the resume state once the final output is complete."""
-        _barrier()
-        if self.rank == 0:
-            shutil.rmtree(self.root, ignore_errors=True)
+        remove_resume_state(self.root)
+
+
+def remove_resume_state(root: Path) -> None:
+    """Delete a stage's resume directory `root` once its final output is complete (every rank calls; rank 0 deletes)."""
+    _barrier()
+    if _rank_world()[0] == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class StopOnSignal:

@@ -6,6 +6,7 @@ it to `<out>` only after every file is on disk.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -102,3 +103,12 @@ def read_json(path: Path, missing: str) -> Any:
         raise FileNotFoundError(f"{path}: missing; {missing}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read a megabyte at a time (checkpoints run to gigabytes)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
