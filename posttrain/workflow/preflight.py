@@ -27,7 +27,7 @@ LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 def _processes(resources: Mapping[str, Any]) -> int:
     """Training processes: per node, times the nodes left after the generator nodes."""
-    return (int(resources["nodes"]) - int(resources.get("generator_nodes", 0))) * int(resources["gpus"] or resources["procs"])
+    return (int(resources["nodes"]) - int(resources["generator_nodes"])) * int(resources["gpus"] or resources["procs"])
 
 
 def generator_node_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
