@@ -1,6 +1,9 @@
 """evaluate: task accuracy, pass@k, reward, held-out NLL and preference accuracy of one model.
 
-    python stages/evaluate.py --config RESOLVED.json --data DATA_DIR --model MODEL_DIR --out DIR [--reference DIR]
+    python stages/evaluate.py --config RESOLVED.json --data DATA_DIR [--model MODEL_DIR] --out DIR [--reference DIR]
+
+Without `--model` it evaluates stage zero (`base`): `model.policy` as SFT starts from it (the
+folder's weights, or a preset's seeded random init sized to the data's tokenizer).
 
 On the first `eval.n_prompts` rows of the data's `eval` split (problems never trained on):
 - greedy completions -> `accuracy` (pass@1 of greedy decoding), `reward`, `response_len`;
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import load_hf_model
+from posttrain.checkpoint import load_hf_model, resolve_model_source
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
@@ -40,20 +43,23 @@ from posttrain.evaluation.lm_eval import run_lm_eval
 from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
-from posttrain.models import Transformer
+from posttrain.models import Transformer, is_preset
 from posttrain.rewards.verifiers import load_verifiers, score
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
+from posttrain.training.setup import initial_model, model_config
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.layout import MODEL_STAGES
+from posttrain.workflow.layout import BASE, MODEL_STAGES
 from posttrain.workflow.lineage import read_provenance, upstream_folder
 
 STAGE = "evaluate"
-READS = ("seed", "data.max_seq_len", "reward.verifiers", "eval")  # verifiers decide what counts as correct
+# verifiers decide what counts as correct; model.policy is the base model (stage zero)
+READS = ("seed", "model.policy", "data.max_seq_len", "reward.verifiers", "eval.n_prompts", "eval.max_new_tokens",
+         "eval.pass_k", "eval.samples", "eval.temperature", "eval.lm_eval_tasks")
 INPUTS = {
     "data": "prepare_data output folder",
-    "model": "model folder (HF layout with posttrain.json)",
+    "model": "model folder (HF layout with posttrain.json); absent: model.policy before training",
     "reference": "reference model of a DPO model (default: its upstream model folder)",
 }
 SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs
@@ -85,7 +91,20 @@ def reference_folder(model_dir: Path, record: dict[str, Any], override: str | No
     return upstream_folder(model_dir, *models[0])
 
 
-def preference_metrics(model: Transformer, model_dir: Path, record: dict[str, Any], rows: list[dict[str, Any]],
+def evaluated_model(model_arg: str | None, cfg: dict[str, Any], tok: Tokenizer,
+                    device: torch.device) -> tuple[Transformer, dict[str, Any], Path | None]:
+    """The model, its provenance record and its folder: `--model`, else stage zero (`model.policy`, no folder
+    for a preset)."""
+    if model_arg:
+        model_dir = Path(model_arg)
+        return load_hf_model(model_dir, device).eval(), read_provenance(model_dir), model_dir
+    source = cfg["model"]["policy"]
+    model = initial_model(source, model_config(source, tok), int(cfg["seed"])).to(device).eval()
+    record = {"stage": BASE, "key": None, "source": source}
+    return model, record, None if is_preset(source) else resolve_model_source(source)
+
+
+def preference_metrics(model: Transformer, model_dir: Path | None, record: dict[str, Any], rows: list[dict[str, Any]],
                        tok: Tokenizer, max_len: int, reference_override: str | None, device: torch.device) -> dict[str, Any]:
     """`pref_acc` (+ margin, pairs) for a DPO model; otherwise `pref_acc: None` and the reason."""
     if record["stage"] != "dpo":
@@ -114,7 +133,7 @@ def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]
 
 
 def main() -> None:
-    args = parse_inputs(STAGE, INPUTS, optional=("reference",))
+    args = parse_inputs(STAGE, INPUTS, optional=("model", "reference"))
     started = time.time()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("evaluate runs in one process; set eval.resources to at most one GPU and procs: 1")
@@ -125,12 +144,11 @@ def main() -> None:
     bad_k = [k for k in ev["pass_k"] if k > ev["samples"]]
     if bad_k:
         raise ValueError(f"{args.config}: eval.pass_k has k={bad_k[0]} > eval.samples={ev['samples']}")
-    data_dir, model_dir = Path(args.data), Path(args.model)
+    data_dir = Path(args.data)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
-    record = read_provenance(model_dir)
     tok = Tokenizer(data_dir / "tokenizer")
-    model = load_hf_model(model_dir, device).eval()
+    model, record, model_dir = evaluated_model(args.model, cfg, tok, device)
     rows = eval_rows(data_dir, ev["n_prompts"], seed)
     prompts = [r["prompt_ids"] for r in rows]
     examples = [r["example"] for r in rows]
@@ -157,13 +175,16 @@ def main() -> None:
     ]
     metrics: dict[str, Any] = {"stage": record["stage"], "model_key": record["key"], "verifiers": verifier_specs,
                                "samples": n, "temperature": ev["temperature"], "max_new_tokens": ev["max_new_tokens"]}
+    if record["stage"] == BASE:
+        metrics["source"] = record["source"]
     metrics.update(task_metrics(results, ev["pass_k"], n))
     metrics.update(nll_metrics(model, data_dir, seed))
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
                                       args.reference, device))
 
     with atomic_dir(args.out) as out:
-        metrics["lm_eval"] = run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type)
+        metrics["lm_eval"] = (run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type) if model_dir is not None
+                              else {"skipped": f"{record['source']} is a preset's random init, with no folder to load"})
         if "skipped" in metrics["lm_eval"]:
             print(f"evaluate: lm-eval skipped: {metrics['lm_eval']['skipped']}")
         with (out / "samples.jsonl").open("w", encoding="utf-8") as f:

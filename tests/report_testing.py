@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from posttrain.utils.provenance import write_provenance
+from posttrain.workflow.layout import BASE
 from posttrain.workflow.plan import MODEL_STAGES, Job, Plan
 from posttrain.workflow.views import write_plan_files
 
@@ -24,9 +25,12 @@ beta\t1\t0.2\tdpo
 BETA_GROUP = 'distill.teacher_stage="dpo";dpo.beta=0.2'
 
 
+RANK = {BASE: 0, **{stage: i + 1 for i, stage in enumerate(MODEL_STAGES)}}  # base: stage zero
+
+
 def accuracy(stage: str, seed: int, beta: float | None) -> float:
     """The greedy accuracy written for a model: each stage adds 0.1 + 0.01 x seed, beta 0.2 adds 0.05 from DPO on."""
-    rank = MODEL_STAGES.index(stage) + 1
+    rank = RANK[stage]
     return 0.1 * rank + 0.01 * seed * rank + (0.05 if beta == 0.2 else 0.0)
 
 
@@ -50,11 +54,11 @@ def _records(stage: str, seed: int) -> list[dict]:
 
 
 def _eval_metrics(job: Job) -> dict:
-    stage = next(s for s in job.resolved["upstream"] if s in MODEL_STAGES)
+    stage = next((s for s in job.resolved["upstream"] if s in MODEL_STAGES), BASE)
     seed, beta = job.resolved["seed"], job.resolved.get("dpo", {}).get("beta")
-    return {"stage": stage, "model_key": job.resolved["upstream"][stage], "n_prompts": 16,
+    return {"stage": stage, "model_key": job.resolved["upstream"].get(stage), "n_prompts": 16,
             "accuracy": accuracy(stage, seed, beta), "pass@1": 0.5, "pass@2": 0.6 + 0.01 * seed,
-            "reward": accuracy(stage, seed, beta), "response_len": 7.0, "nll": 1.0 / (MODEL_STAGES.index(stage) + 1),
+            "reward": accuracy(stage, seed, beta), "response_len": 7.0, "nll": 2.0 if stage == BASE else 1.0 / RANK[stage],
             "ppl": 2.0, "pref_acc": 0.8 + 0.01 * seed if stage == "dpo" else None}
 
 

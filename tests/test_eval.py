@@ -15,11 +15,12 @@ from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, w
 
 import posttrain.evaluation.completions
 from posttrain.checkpoint import load_hf_model
-from posttrain.data.loader import sft_batches
+from posttrain.data.loader import length_multiple, sft_batches
 from posttrain.data.store import load_split
-from posttrain.evaluation import PromptResult, eval_pairs, mean_pass_at_k, pass_at_k, task_metrics
+from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, mean_pass_at_k, pass_at_k, task_metrics
 from posttrain.evaluation.lm_eval import run_lm_eval
 from posttrain.tokenizer import Tokenizer
+from posttrain.training.setup import initial_model, model_config
 
 SFT_KEY, DPO_KEY = "5f75f75f75f7", "d90d90d90d90"
 
@@ -77,7 +78,8 @@ def results(tmp_path_factory):
 def eval_config(root, name, model_stage, model_key, **eval_overrides):
     ev = {"n_prompts": 8, "max_new_tokens": 6, "pass_k": [1, 2], "samples": 3, "temperature": 1.0,
           "lm_eval_tasks": [], **eval_overrides}
-    cfg = {"stage": "evaluate", "key": name, "upstream": {"prepare_data": DATA_KEY, model_stage: model_key}, "seed": 0,
+    upstream = {"prepare_data": DATA_KEY, **({model_stage: model_key} if model_stage else {})}
+    cfg = {"stage": "evaluate", "key": name, "upstream": upstream, "seed": 0, "model": {"policy": "tiny"},
            "data": {"max_seq_len": 64}, "reward": {"verifiers": ["task", "format"]}, "eval": ev}
     return write_config(root / "eval" / f"{name}.config.json", cfg)
 
@@ -170,6 +172,25 @@ def test_real_generation_on_an_sft_model(results, monkeypatch):
     assert 1 <= m["response_len"] <= 6
     assert m["pref_acc"] is None and "dpo only" in m["pref_acc_note"]
     assert len((out / "samples.jsonl").read_text().splitlines()) == 8
+
+
+def test_without_a_model_the_base_model_is_evaluated_as_sft_starts_from_it(results, monkeypatch):
+    """Stage zero: model.policy's seeded init (a preset here), the weights SFT's build begins with."""
+    out = results / "eval" / "base00000000"
+    run_stage("evaluate", ["--config", eval_config(results, "base00000000", None, None),
+                           "--data", results / "data" / DATA_KEY, "--out", out], monkeypatch)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["stage"] == "base" and m["model_key"] is None and m["source"] == "tiny"
+    assert m["pref_acc"] is None and "a base model has no implicit preference reward" in m["pref_acc_note"]
+    assert "preset" in m["lm_eval"]["skipped"]
+    data = results / "data" / DATA_KEY
+    tok = Tokenizer(data / "tokenizer")
+
+    def nll(seed: int) -> float:
+        batches = sft_batches(data, 16, seed=0, split="sft_eval", shuffle=False, loop=False, multiple=length_multiple(False))
+        return heldout_nll(initial_model("tiny", model_config("tiny", tok), seed), batches, total=len(batches))["nll"]
+
+    assert m["nll"] == nll(0) != nll(1)  # the run's seed (0) decides the init
 
 
 @pytest.mark.parametrize("change, error, message", [

@@ -113,6 +113,25 @@ def test_effects_aggregate_seeds_and_take_deltas_from_the_previous_stage(out):
     assert set(effects.metric) == {"accuracy", "pass@1", "pass@2", "reward", "nll", "pref_acc"}
 
 
+def test_the_base_model_is_stage_zero_of_the_summary_and_the_effects(tmp_path):
+    plan = build_plan(load_config(REPO / "config" / "config.yaml", overrides={
+        "results": str(tmp_path / "results"), "ablations": None, "eval": {"base": True}}))
+    write_outputs(plan)
+    out = tmp_path / "report"
+    with pytest.MonkeyPatch.context() as mp:
+        run_stage("report", ["--config", plan.report_config_path, "--out", out], mp)
+    table = read_summary(out / "summary.tsv")
+    assert list(table.stage) == ["base", *MODEL_STAGES]
+    base = table.iloc[0]
+    assert base.accuracy == pytest.approx(accuracy("base", 1234, None), abs=TSV) and base.seed == 1234
+    assert pd.isna(base.previous) and pd.isna(base.key) and pd.isna(base.train_steps) and pd.isna(base.train_wall_time_s)
+    assert table.iloc[1].previous == "base"
+    effects = pd.read_csv(out / "effects.tsv", sep="\t", dtype={"seeds": str})
+    sft = effect(effects, "default", "sft", "accuracy")
+    assert sft.previous == "base"
+    assert sft.delta_mean == pytest.approx(accuracy("sft", 1234, None) - accuracy("base", 1234, None), abs=TSV)
+
+
 def test_effects_of_a_summary_table_without_files():
     summary = pd.DataFrame([
         {"variant": v, "group": "default", "seed": seed, "stage": stage, "previous": previous,

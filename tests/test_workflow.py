@@ -183,9 +183,20 @@ def test_manifest_names_each_models_previous_stage():
     assert taught_by_dpo.previous()["distill"] == "dpo"
 
 
+def test_eval_base_adds_one_eval_of_the_policy_before_sft():
+    without, plan = build_plan(cfg_with()), build_plan(cfg_with(eval={"base": True}))
+    default = plan.variants["default"]
+    base = default.evals["base"]
+    assert list(base.inputs) == ["data"] and base.resolved["model"]["policy"] == "tiny"
+    assert len(plan.jobs["evaluate"]) == len(without.jobs["evaluate"]) + 1
+    assert default.previous() == {"base": None, "sft": "base", "dpo": "sft", "grpo": "dpo", "distill": "grpo"}
+    assert default.evals["sft"].key == without.variants["default"].evals["sft"].key  # eval.base enters no other key
+
+
 def test_pipeline_order_is_the_dag_order():
     assert pipeline_order(["distill", "dpo", "grpo", "sft"]) == list(MODEL_STAGES) == ["sft", "dpo", "grpo", "distill"]
     assert pipeline_order(["grpo", "reward", "prepare_data"]) == ["prepare_data", "reward", "grpo"]
+    assert pipeline_order(["sft", "base"]) == ["base", "sft"]
     with pytest.raises(ValueError, match="unknown stage.*rlhf"):
         pipeline_order(["sft", "rlhf"])
 

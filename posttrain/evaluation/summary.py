@@ -6,9 +6,9 @@ Columns of `summary.tsv` (empty cell = not applicable or not measured):
     group              the variant's overrides without `seed` (`default` when none): variants that
                        differ only in their seed form one group, aggregated by posttrain.evaluation.effects
     seed               the stage's seed (its posttrain.json)
-    stage              model-producing stage (sft, dpo, grpo, distill)
-    previous           the model stage this one started from (empty for sft; distill: its teacher)
-    key                the stage output's key (results/<stage>/<key>/)
+    stage              evaluated model: base (model.policy before training, with eval.base), sft, dpo, grpo, distill
+    previous           the stage this one started from (sft: base, or empty without eval.base; distill: its teacher)
+    key                the stage output's key (results/<stage>/<key>/; empty for base)
     eval_key           the evaluation's key (results/eval/<eval_key>/)
     n_prompts          eval prompts scored
     accuracy           greedy pass@1 on held-out problems
@@ -88,15 +88,19 @@ def summary_rows(variants: Mapping[str, Mapping[str, Any]]) -> list[dict[str, An
     for name, manifest in variants.items():
         overrides = manifest.get("overrides", {})
         for stage in pipeline_order(manifest["eval"]):
-            evaluation, model = manifest["eval"][stage], manifest["stages"][stage]
+            evaluation = manifest["eval"][stage]
             metrics = _eval_metrics(Path(evaluation["path"]))
-            records = stage_records(model["path"])
-            provenance = read_provenance(model["path"])
+            if stage in manifest["stages"]:
+                model = manifest["stages"][stage]
+                records, provenance, key = stage_records(model["path"]), read_provenance(model["path"]), model["key"]
+                wall_time = provenance.get("wall_time_s")
+            else:  # the base model: no stage output and no training; its eval has the seed
+                records, provenance, key, wall_time = [], read_provenance(evaluation["path"]), None, None
             row = {"variant": name, "group": group_name(overrides), "seed": provenance.get("seed"), "stage": stage,
-                   "previous": manifest["previous"][stage], "key": model["key"], "eval_key": evaluation["key"]}
+                   "previous": manifest["previous"][stage], "key": key, "eval_key": evaluation["key"]}
             row.update({k: v for k, v in metrics.items() if k in EVAL_COLUMNS or k.startswith("pass@")})
             row.update(train_steps=_last(records, "step"), final_loss=_last(records, "loss"),
-                       train_wall_time_s=provenance.get("wall_time_s"), overrides=format_overrides(overrides))
+                       train_wall_time_s=wall_time, overrides=format_overrides(overrides))
             rows.append(row)
     return rows
 

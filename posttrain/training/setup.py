@@ -66,10 +66,11 @@ def model_config(source: str, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def initial_state(source: str | None, hf_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Full starting weights on CPU: seeded random init of `hf_config` for a preset (or None), else the folder's."""
-    return _full_model(source, hf_config, seed).state_dict()
+    return initial_model(source, hf_config, seed).state_dict()
 
 
-def _full_model(source: str | None, hf_config: dict[str, Any], seed: int) -> Transformer:
+def initial_model(source: str | None, hf_config: dict[str, Any], seed: int) -> Transformer:
+    """The full model every stage starting from `source` begins with, on CPU (also what `eval.base` evaluates)."""
     if source is None or is_preset(source):
         torch.manual_seed(seed)
         return Transformer(hf_config)
@@ -96,7 +97,7 @@ def build_model(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     seed = int(cfg["seed"])
     if mesh is None or method == "qlora":
-        model = _full_model(source, hf_config, seed).to(info.device)
+        model = initial_model(source, hf_config, seed).to(info.device)
         _add_adapters(model, method, lora_cfg)
         return parallelize(model, mesh, cfg["memory"], cfg["parallel"])
     with torch.device("meta"):

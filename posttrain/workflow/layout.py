@@ -22,13 +22,15 @@ STAGE_DIRS = {
     "export": "export",
 }
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, in pipeline order; each is evaluated
+# Stage zero: `model.policy` as every stage starts from it, evaluated (with `eval.base`) but never written.
+BASE = "base"
+ORDER = (BASE, *STAGE_DIRS)
 
 
 def pipeline_order(stages: Iterable[str]) -> list[str]:
     """`stages` in the order the pipeline runs them (not alphabetical); an unknown stage is an error."""
     stages = list(stages)
-    unknown = sorted(set(stages) - set(STAGE_DIRS))
+    unknown = sorted(set(stages) - set(ORDER))
     if unknown:
-        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the pipeline's stages are {', '.join(STAGE_DIRS)}")
-    order = list(STAGE_DIRS)
-    return sorted(stages, key=order.index)
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the pipeline's stages are {', '.join(ORDER)}")
+    return sorted(stages, key=ORDER.index)

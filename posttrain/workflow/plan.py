@@ -27,7 +27,7 @@ from posttrain.stage_config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTI
 from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
-from posttrain.workflow.layout import MODEL_STAGES, STAGE_DIRS, pipeline_order
+from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, pipeline_order
 
 __all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
 
@@ -139,9 +139,15 @@ class VariantPlan:
         return [*self.stages.values(), *self.evals.values(), self.export]
 
     def previous(self) -> dict[str, str | None]:
-        """Model stage -> the model stage it started from (None for SFT): what the report's deltas compare to."""
+        """Evaluated stage -> the one its model started from: what the report's deltas compare to.
+
+        SFT starts from the base model (None unless `eval.base` evaluates it); distill from its teacher.
+        """
+        start = BASE if BASE in self.evals else None
         inputs = {stage: self.stages[stage].inputs.values() for stage in MODEL_STAGES}
-        return {stage: next((job.stage for job in jobs if job.stage in MODEL_STAGES), None) for stage, jobs in inputs.items()}
+        previous = {stage: next((job.stage for job in jobs if job.stage in MODEL_STAGES), start)
+                    for stage, jobs in inputs.items()}
+        return {BASE: None, **previous} if start else previous
 
     def manifest(self) -> dict[str, Any]:
         """The human view of the variant (results/variants/<name>/manifest.json)."""
@@ -203,7 +209,8 @@ class Plan:
         grpo = self._add("grpo", cfg, {"data": data, "model": dpo, "reward": reward})
         models = {"sft": sft, "dpo": dpo, "grpo": grpo}
         models["distill"] = self._add("distill", cfg, {"data": data, "teacher": models[cfg["distill"]["teacher_stage"]]})
-        evals = {stage: self._add("evaluate", cfg, {"data": data, "model": models[stage]}) for stage in MODEL_STAGES}
+        evals = {BASE: self._add("evaluate", cfg, {"data": data})} if cfg["eval"]["base"] else {}
+        evals.update({stage: self._add("evaluate", cfg, {"data": data, "model": models[stage]}) for stage in MODEL_STAGES})
         exported = cfg["export"]["stage"]  # the model card quotes the model's eval
         export = self._add("export", cfg, {"model": models[exported], "eval": evals[exported]})
         stages = {"prepare_data": data, "sft": sft, "dpo": dpo, "reward": reward, "grpo": grpo, "distill": models["distill"]}
