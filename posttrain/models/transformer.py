@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.args import ModelArgs
+from posttrain.models.attention import AttentionMask, attend, attention_mask
+from posttrain.models.attention import document_mask as document_mask  # re-exported: its old home
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +119,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: AttentionMask,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -131,10 +133,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and kv_cache is None, enable_gqa=gqa
-        )
+        out = attend(q, k, v, mask, causal=kv_cache is None)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -172,14 +171,6 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in range(args.num_layers)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args)
-
-
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] boolean: causal and inside one document (packed rows never attend across)."""
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same_doc & causal)[:, None]
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -255,19 +246,19 @@ class Transformer(nn.Module):
 
         `document_ids` ([B, S]) selects per-document causal attention for packed rows and derives
         position ids when none are given. `attn_mask` (boolean, broadcastable to [B, 1, S, T])
-        is for generation with padding and a KV cache.
+        is for generation with padding and a KV cache. The kernel follows from these and the
+        device (`posttrain.models.attention`); its mask is built here once, for all layers.
         """
-        if document_ids is not None:
-            attn_mask = document_mask(document_ids)
-            if position_ids is None:
-                position_ids = document_positions(document_ids)
+        if document_ids is not None and position_ids is None:
+            position_ids = document_positions(document_ids)
         if position_ids is None:
             start = kv_cache.length if kv_cache is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         x = self.model.embed_tokens(input_ids)
+        mask = attention_mask(document_ids, attn_mask, cached=kv_cache is not None, dtype=x.dtype)
         rope = self.model.rotary_emb(position_ids.expand(x.shape[0], -1), x.dtype)
         for layer in self.model.layers.values():
-            x = layer(x, rope, attn_mask, kv_cache)
+            x = layer(x, rope, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length += input_ids.shape[1]
         return self.model.norm(x)

@@ -1,0 +1,197 @@
+"""The attention kernel, chosen by the inputs and the device (never by the stage).
+
+`Transformer.forward` turns its inputs into one `AttentionMask` per forward (`attention_mask`):
+the same object reaches every layer, so a block mask or cumulative lengths are built once, and
+activation checkpointing recomputes a layer with the kernel its forward used. `attend` then runs:
+
+- no document ids, no mask: SDPA with `is_causal` (flash kernels on a GPU);
+- packed rows (`document_ids`) on CUDA, bf16/fp16: variable-length FlashAttention
+  (`torch.nn.attention.varlen`), rows flattened, one sequence per document; in float32 (or
+  without varlen, or before sm80): FlexAttention with a document-causal `BlockMask`. No kernel
+  there takes a dense `[B, 1, S, S]` mask, and none is built;
+- packed rows on CPU: the dense document mask and SDPA, bitwise what the model always computed
+  (pipeline results are compared byte for byte across commits; FlexAttention has no CPU backward);
+- an explicit `attn_mask` or a KV cache (generation): SDPA with that mask, as before.
+
+`attention_backend` forces a packed-row kernel for tests and benchmarks. Heads are taken from
+the tensors (tensor parallelism shards them), and grouped-query attention is passed to each kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+Backend: TypeAlias = Literal["auto", "dense", "flex", "varlen"]
+BACKENDS: tuple[Backend, ...] = ("auto", "dense", "flex", "varlen")
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+_forced: Backend = "auto"  # a plain global, not a ContextVar: torch.compile reads it without a graph break
+
+
+@contextlib.contextmanager
+def attention_backend(name: Backend) -> Iterator[None]:
+    """Force the kernel for packed rows inside the block ("auto": by device and dtype).
+
+    For tests and benchmarks; it is read when a forward starts, so a checkpointed layer's
+    backward recompute uses the forward's kernel even outside the block.
+    """
+    global _forced
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    saved, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """Packed rows flattened into one sequence per document, for variable-length FlashAttention.
+
+    `cu_seqlens` ([documents + 1] int32) are the documents' offsets into the flattened
+    `B * S` tokens; `max_seqlen` is the longest document (a Python int, as the kernel wants).
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+AttentionMask: TypeAlias = torch.Tensor | BlockMask | VarlenMask | None
+"""What every layer gets: a boolean mask for SDPA, a FlexAttention block mask, varlen offsets,
+or None (causal)."""
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] boolean: causal and inside one document (packed rows never attend across)."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """FlexAttention block mask with `document_mask`'s pattern; on CUDA without a dense mask.
+
+    Heads are broadcast (H=None), so it serves any number of local heads.
+    """
+    docs = document_ids
+
+    def document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+    batch, seq = docs.shape
+    # Eager create_block_mask evaluates the mask densely; compiled, it never stores it.
+    compiled = docs.is_cuda and not torch.compiler.is_compiling()
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    return build(document_causal, batch, None, seq, seq, device=docs.device)
+
+
+def document_varlen(document_ids: torch.Tensor) -> VarlenMask:
+    """Offsets of the documents of all rows flattened; a document is a run of equal ids.
+
+    (The loader's ids are runs: documents 0, 1, ... and the padding tail as one more.)
+    Two host syncs (the start positions and the longest document), once per forward.
+    """
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([document_ids.numel()])]).to(torch.int32)
+    return VarlenMask(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+
+@torch.compiler.assume_constant_result  # traced as its value: no graph break under torch.compile
+@functools.cache
+def varlen_available(device: torch.device) -> bool:
+    """Variable-length FlashAttention: CUDA sm80+ and torch.nn.attention.varlen importable."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        import torch.nn.attention.varlen  # noqa: F401  (imports torch._dynamo: only on CUDA)
+    except ImportError:
+        return False
+    return True
+
+
+def packed_backend(device: torch.device, dtype: torch.dtype) -> Backend:
+    """The kernel for packed rows: the forced one, else by device and dtype (see the module doc)."""
+    if _forced != "auto":
+        return _forced
+    if device.type != "cuda":
+        return "dense"
+    return "varlen" if dtype in HALF_DTYPES and varlen_available(device) else "flex"
+
+
+def attention_mask(
+    document_ids: torch.Tensor | None, attn_mask: torch.Tensor | None, cached: bool, dtype: torch.dtype
+) -> AttentionMask:
+    """The one mask object of a forward, for all layers (`dtype`: the activations').
+
+    `document_ids` ([B, S]) win over `attn_mask`, as they always did; with a KV cache (`cached`)
+    they give the dense mask, the only one a cache can extend.
+    """
+    if document_ids is None:
+        return attn_mask
+    backend = "dense" if cached and _forced == "auto" else packed_backend(document_ids.device, dtype)
+    if backend == "dense":
+        return document_mask(document_ids)
+    if cached:
+        raise ValueError(f"attention backend {backend!r} does not take a KV cache: use 'dense'")
+    if backend == "flex":
+        return document_block_mask(document_ids)
+    if dtype not in HALF_DTYPES or not varlen_available(document_ids.device):
+        raise ValueError(f"the varlen backend needs CUDA sm80+ and bf16/fp16, got {document_ids.device} {dtype}")
+    return document_varlen(document_ids)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool) -> torch.Tensor:
+    """Attention of q [B, Hq, S, D] over k, v [B, Hkv, T, D] -> [B, Hq, S, D].
+
+    `causal` applies when `mask` is None (SDPA's `is_causal`); decoding from a KV cache passes False.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, VarlenMask):
+        return _varlen(q, k, v, mask, gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None and causal, enable_gqa=gqa
+    )
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, gqa: bool) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    bsz, heads, seq, head_dim = q.shape
+    # [B, H, S, D] views of [B, S, H, D] projections: flattening the rows is free.
+    flat = [t.transpose(1, 2).reshape(bsz * seq, -1, head_dim) for t in (q, k, v)]
+    cu, longest = mask.cu_seqlens, mask.max_seqlen
+    out = varlen_attn(*flat, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
+    return out.view(bsz, seq, heads, head_dim).transpose(1, 2)
+
+
+def _flex() -> Callable[..., torch.Tensor]:
+    """Compiled FlexAttention; the plain function inside an already compiled region.
+
+    Eager flex_attention materializes the scores: on CPU (B=4, S=256, 4 heads, fp32, one thread)
+    it takes ~12x the compiled kernel, which matches dense SDPA.
+    """
+    return flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., BlockMask]:
+    return torch.compile(create_block_mask)
