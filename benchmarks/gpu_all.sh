@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one go, sized for a short lease on one H100/H200 (~8 minutes):
-# the CUDA tests (bf16 FSDP2, compile, optimizer-in-backward, torchao low-bit, QLoRA, chunked losses),
+# the CUDA tests (bf16 FSDP2, compile, optimizer-in-backward, torchao low-bit, QLoRA, chunked losses,
+# FlexAttention and varlen FlashAttention against the dense mask),
 # the SFT and DPO memory benchmarks on CUDA, then benchmarks/gpu_check.sh (NCCL, bf16, SFT throughput
 # against TRL and the torchtune paper). Logs and JSON go to OUT_DIR; a part that fails or runs out of
 # time is reported and the next one still runs.
@@ -29,7 +30,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to OUT/NAME
 
 nvidia-smi -L
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py
+part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py tests/test_attention.py
 part sft_memory 75 "$PY" benchmarks/sft_memory.py --device cuda --json "$OUT/sft_memory.json"
 part dpo_memory 60 "$PY" benchmarks/dpo_memory.py --device cuda --json "$OUT/dpo_memory.json"
 GPU_CHECK_LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \

@@ -3,10 +3,13 @@
 FlexAttention (a block mask) and variable-length FlashAttention (document offsets) must give
 what SDPA with `document_mask` gives, on packed rows (several documents of varying lengths and
 a padding tail) and on padded rows (one document and its padding, an id of its own), as
-`posttrain.data.packing` lays them out. float32 kernels agree to atol 1e-5 (outputs) and 1e-4
-(gradients, sums over the batch); varlen runs in bf16, compared at 2e-2. The CPU default stays
-the dense mask, bitwise. torch 2.13 has no FlexAttention backward on CPU: the gradient test
-skips there with that reason, and the varlen test needs CUDA.
+`posttrain.data.packing` lays them out. Tolerances: float32 hidden states to atol 1e-5 (measured
+on CPU: flex vs dense 1.4e-6; float32 vs float64 2e-6); float32 weight gradients, which reach
+~5e3 here, to 1e-5 of their largest entry (float32 vs float64: 5e-7); bf16 (varlen vs dense) in
+relative norm, 2e-2 for hidden states and 5e-2 for gradients (bf16 vs float64: 2.3e-2). The
+CPU default stays the dense mask, bitwise. torch 2.13 has no FlexAttention backward on CPU: the
+gradient test skips there with that reason. The varlen kernel needs CUDA; on CPU a reference
+kernel (SDPA per document) stands in for it to check the flattening around it.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from posttrain.models.attention import VarlenMask, attention_backend, attention_
 CFG = dict(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
 SEQ = 160  # over one 128-token flex block: documents cross block boundaries
-FWD_ATOL = 1e-5  # float32, flex vs dense
-GRAD_ATOL = 1e-4  # float32 gradients (sums over all positions)
+FWD_ATOL = 1e-5  # float32 hidden states, flex vs dense
+GRAD_RTOL = 1e-5  # float32 gradients: max error over the largest entry
+BF16_RTOL = (2e-2, 5e-2)  # varlen vs dense in bf16: relative norm of the error, hidden states and gradients
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the varlen/flash kernels)")
 
 
@@ -61,6 +65,15 @@ def forward(m: Transformer, ids: torch.Tensor, doc_ids: torch.Tensor, backend: s
     return hidden, torch.autograd.grad((hidden.float() * probe.float()).sum(), list(m.parameters()))
 
 
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference over the largest entry of `b` (gradients are sums: their scale varies)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+def norm_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
 def flex_backward_supported(device: str) -> bool:
     q = torch.zeros(1, 1, 128, 16, device=device, requires_grad=True)
     try:
@@ -90,7 +103,7 @@ def test_flex_gradients_match_dense(device, packing):
     dense, dense_grads = forward(m, ids, doc_ids, "dense", grad=True)
     torch.testing.assert_close(flex, dense, atol=FWD_ATOL, rtol=0)
     for (name, _), a, b in zip(m.named_parameters(), flex_grads, dense_grads):
-        torch.testing.assert_close(a, b, atol=GRAD_ATOL, rtol=0, msg=lambda s, name=name: f"{name}: {s}")
+        assert max_error(a, b) <= GRAD_RTOL, name
 
 
 def test_cpu_default_is_bitwise_the_dense_mask(monkeypatch):
@@ -161,6 +174,35 @@ def test_cpu_defaults_and_forced_backends():
             pass
 
 
+def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa):
+    """varlen_attn's contract in plain SDPA, one document at a time: [T, H, D] in and out."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
+    outs = [
+        F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+                                       enable_gqa=enable_gqa)[0].transpose(0, 1)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())
+    ]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_varlen_flattening_on_cpu_with_a_reference_kernel(monkeypatch, packing):
+    """The rows -> documents plumbing of the varlen path, forward and gradients, without a GPU."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", reference_varlen_attn)
+    monkeypatch.setattr(attention, "varlen_available", lambda device: True)
+    m = model(dtype=torch.bfloat16)
+    ids, doc_ids = rows(packing)
+    assert isinstance(attention_mask(doc_ids, None, cached=False, dtype=torch.bfloat16), torch.Tensor)  # CPU: dense
+    varlen, varlen_grads = forward(m, ids, doc_ids, "varlen", grad=True)
+    dense, dense_grads = forward(m, ids, doc_ids, "dense", grad=True)
+    assert norm_error(varlen, dense) <= BF16_RTOL[0]
+    for (name, _), a, b in zip(m.named_parameters(), varlen_grads, dense_grads):
+        assert norm_error(a, b) <= BF16_RTOL[1], name
+
+
 @CUDA
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_varlen_matches_dense_on_cuda(packing):
@@ -171,6 +213,6 @@ def test_varlen_matches_dense_on_cuda(packing):
     assert isinstance(attention_mask(doc_ids, None, cached=False, dtype=torch.bfloat16), VarlenMask)  # the default
     varlen, varlen_grads = forward(m, ids, doc_ids, "varlen", grad=True)
     dense, dense_grads = forward(m, ids, doc_ids, "dense", grad=True)
-    torch.testing.assert_close(varlen.float(), dense.float(), atol=2e-2, rtol=2e-2)
-    for a, b in zip(varlen_grads, dense_grads):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    assert norm_error(varlen, dense) <= BF16_RTOL[0]
+    for (name, _), a, b in zip(m.named_parameters(), varlen_grads, dense_grads):
+        assert norm_error(a, b) <= BF16_RTOL[1], name

@@ -19,7 +19,6 @@ from torch import nn
 
 from posttrain.models.args import ModelArgs
 from posttrain.models.attention import AttentionMask, attend, attention_mask
-from posttrain.models.attention import document_mask as document_mask  # re-exported: its old home
 
 
 class RMSNorm(nn.Module):
