@@ -2,7 +2,8 @@
 # Every GPU check of the project in one go, sized for a short lease on one H100/H200 (~8 minutes):
 # the CUDA tests (bf16 FSDP2, compile, optimizer-in-backward, torchao low-bit, QLoRA, chunked losses,
 # FlexAttention and varlen FlashAttention against the dense mask),
-# the SFT and DPO memory benchmarks on CUDA, then benchmarks/gpu_check.sh (NCCL, bf16, SFT throughput
+# the SFT and DPO memory benchmarks on CUDA, a profiled SFT step (benchmarks/profile_step.py: where the
+# time goes, MFU), then benchmarks/gpu_check.sh (NCCL, bf16, SFT throughput
 # against TRL and the torchtune paper). Logs and JSON go to OUT_DIR; a part that fails or runs out of
 # time is reported and the next one still runs.
 #
@@ -33,6 +34,14 @@ nvidia-smi -L
 part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py tests/test_attention.py
 part sft_memory 75 "$PY" benchmarks/sft_memory.py --device cuda --json "$OUT/sft_memory.json"
 part dpo_memory 60 "$PY" benchmarks/dpo_memory.py --device cuda --json "$OUT/dpo_memory.json"
-GPU_CHECK_LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \
+for variant in packing eager; do
+  part "profile_$variant" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
+    --variant "$variant" --json "$OUT/profile_$variant.json" --work "$OUT/profile-work"
+done
+GPU_CHECK_LIMIT_OURS=${for variant in packing eager; do
+  part "profile_$variant" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
+    --variant "$variant" --json "$OUT/profile_$variant.json" --work "$OUT/profile-work"
+done
+GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \
   part gpu_check 240 bash benchmarks/gpu_check.sh "$OUT"
 exit $status

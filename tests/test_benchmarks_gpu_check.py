@@ -35,6 +35,30 @@ def test_dry_run_end_to_end(tmp_path):
     assert "paper (1xH100)" in proc.stdout and "DRY RUN" in proc.stdout
 
 
+def test_profile_dry_run_accounts_for_the_whole_step(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           str(ROOT / "benchmarks" / "profile_step.py"), "--variant", "packing", "--dry",
+                           "--json", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["dry"] and 0 < result["mfu"] < 1
+    assert sum(result["seconds_per_step"].values()) == pytest.approx(result["step_s"], rel=0.05)  # host fills the rest
+    assert result["seconds_per_step"]["matmul"] > 0 and result["seconds_per_step"]["attention"] > 0
+    assert "MFU" in proc.stdout and "top ops" in proc.stdout
+
+
+def test_profile_categories_follow_kernel_names():
+    import profile_step
+
+    assert profile_step.category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert profile_step.category("ncclDevKernel_AllGather_RING_LL") == "communication"
+    assert profile_step.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert profile_step.category("NllLossBackward0") == "loss" and profile_step.category("aten::add_") == "other"
+    assert profile_step.breakdown([("aten::mm", 2.0), ("aten::add_", 1.0)], wall_s=4.0)["host"] == 1.0
+
+
 def test_usage_errors():
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr

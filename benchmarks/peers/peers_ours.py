@@ -157,7 +157,7 @@ def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
             "settings": s}
 
 
-def _step(state: dict[str, Any], batch: Any, step: int) -> tuple[float, int]:
+def train_one(state: dict[str, Any], batch: Any, step: int) -> tuple[float, int]:
     """(loss, useful tokens) of one training step."""
     kind = state["kind"]
     if kind == "grpo":
@@ -187,7 +187,7 @@ def run(state: dict[str, Any]) -> dict[str, Any]:
     for step, batch in enumerate(state["data"]):
         if step == s.warmup:
             start = time.perf_counter()
-        loss, tokens = _step(state, batch, step)
+        loss, tokens = train_one(state, batch, step)
         losses.append(loss)
         if step >= s.warmup:
             useful += tokens
