@@ -1,4 +1,4 @@
-"""dpo: preference optimization of the SFT model (sigmoid DPO, IPO, SimPO or ORPO; full, LoRA or QLoRA).
+"""dpo: preference optimization of the SFT model (sigmoid DPO, IPO, SimPO, ORPO or KTO; full, LoRA or QLoRA).
 
     python stages/dpo.py --config RESOLVED.json --data results/data/<key> --model results/sft/<key> --out results/dpo/<key>
     torchrun --nproc-per-node N stages/dpo.py ...
@@ -14,6 +14,12 @@ The reference is the starting model. `dpo.reference: precompute` scores every tr
 it once, before training, and caches the log-probs in `<out>.resume/` (no reference model in
 memory while training); `online` scores each batch with a frozen copy (full) or with the
 adapters disabled (LoRA/QLoRA). SimPO and ORPO need no reference (ORPO adds the chosen NLL itself).
+
+KTO (`dpo.loss: kto`) trains on the prepared `unpaired` split instead: completions labelled
+desirable or not, each stored with a mismatched completion for the KL reference point z0. z0 is
+measured over the whole step (every micro-batch and rank, without gradients) before its backward
+passes, so grad_accum and the process count leave it alone; `dpo.chosen_nll_weight` applies to the
+desirable rows.
 
 Held-out pairs come from the `eval` split (each task's answer vs. its plausible mistake). Before
 training the starting model's likelihood ranking of them is measured (`likelihood_acc_sft`: share of
@@ -37,6 +43,7 @@ from posttrain.data.store import Split
 from posttrain.data.tokenize import preference_split
 from posttrain.dpo import (
     OnlineReference,
+    completion_logprobs,
     PairLogps,
     PrecomputedReference,
     file_stats,
@@ -45,11 +52,12 @@ from posttrain.dpo import (
     model_files,
     pair_logprobs,
     reference_cache_path,
+    reshard,
     save_cache,
     score_pairs,
 )
 from posttrain.evaluation import eval_pairs
-from posttrain.losses.dpo import REFERENCE_FREE, preference_loss
+from posttrain.losses.dpo import REFERENCE_FREE, UNPAIRED, kto_loss, kto_reference_point, pair_reward_type, preference_loss
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.models.lora import disable_adapters
@@ -68,6 +76,7 @@ INPUTS = {
 }
 STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected",
                 "nll/chosen")
+KTO_METRICS = ("kl", "rewards/accuracy", "rewards/margin", "logps/completion", "nll/chosen")
 
 
 def on_policy_pairs(path: str, tok: Tokenizer, data_cfg: dict[str, Any]) -> Split:
@@ -85,8 +94,13 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
     if cfg["dpo"]["pairs"] == "offline":
         if args.pairs:
             raise DataError("--pairs is given but dpo.pairs is offline; set dpo.pairs: on_policy to train on it")
-        batches = preference_batches(args.data, micro, seed=cfg["seed"], rank=rank, world_size=size)
-        return batches, sorted((Path(args.data) / "preference").glob("data-*.arrow"))
+        split = "unpaired" if cfg["dpo"]["loss"] in UNPAIRED else "preference"
+        batches = preference_batches(args.data, micro, seed=cfg["seed"], split=split, rank=rank, world_size=size)
+        if not len(batches.dataset):
+            raise DataError(f"{args.data}/{split}: no rows to train dpo.loss={cfg['dpo']['loss']} on")
+        return batches, sorted((Path(args.data) / split).glob("data-*.arrow"))
+    if cfg["dpo"]["loss"] in UNPAIRED:
+        raise DataError(f"dpo.loss={cfg['dpo']['loss']} trains on the unpaired split: set dpo.pairs: offline")
     if not args.pairs:
         raise DataError("dpo.pairs is on_policy: pass the reward stage's pairs file with --pairs")
     dataset = on_policy_pairs(args.pairs, tok, cfg["data"])
@@ -110,13 +124,41 @@ def likelihood_accuracy(logps: PairLogps, per_token: bool) -> float:
 
 def pair_loss(dpo: dict[str, Any], policy: PairLogps,
               ref: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`preference_loss` for the configured loss type (reference log-probs None for SimPO and ORPO)."""
+    """`preference_loss` for the configured loss type (reference log-probs None for SimPO and ORPO; KTO's
+    pairs by its implicit reward)."""
     ref_chosen, ref_rejected = ref if ref is not None else (None, None)
     return preference_loss(
-        dpo["loss"], policy.chosen, policy.rejected, policy.chosen_tokens, policy.rejected_tokens,
+        pair_reward_type(dpo["loss"]), policy.chosen, policy.rejected, policy.chosen_tokens, policy.rejected_tokens,
         ref_chosen, ref_rejected, beta=float(dpo["beta"]), label_smoothing=float(dpo["label_smoothing"]),
         simpo_gamma=float(dpo["simpo_gamma"]), chosen_nll_weight=float(dpo["chosen_nll_weight"]),
     )
+
+
+def kto_point(run: StageRun, model: Transformer, head: OutputHead, batches: list[dict[str, torch.Tensor]],
+              refs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """KTO's z0 over the step's rows (all micro-batches and ranks): the policy's mismatched completions, no gradient."""
+    policy_sum = ref_sum = 0.0
+    with torch.no_grad(), head.context():
+        for batch, (_, ref_mismatched) in zip(batches, refs):
+            mismatched, _ = completion_logprobs(model, head, batch["rejected_input_ids"], batch["rejected_labels"])
+            policy_sum += float(mismatched.double().sum())
+            ref_sum += float(ref_mismatched.double().sum())
+    reshard(model)
+    policy_total, ref_total = data_parallel_sum([policy_sum, ref_sum], run.mesh, run.device)
+    return kto_reference_point(torch.tensor(policy_total), torch.tensor(ref_total), int(run.section["batch_size"]))
+
+
+def kto_row_loss(dpo: dict[str, Any], model: Transformer, head: OutputHead, batch: dict[str, torch.Tensor],
+                 ref: tuple[torch.Tensor, torch.Tensor], z0: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO on a micro-batch of unpaired rows (their own completions), plus the desirable rows' NLL weight."""
+    policy, tokens = completion_logprobs(model, head, batch["chosen_input_ids"], batch["chosen_labels"])
+    desirable = batch["desirable"]
+    loss, metrics = kto_loss(policy, ref[0], desirable, z0.to(policy.device), beta=float(dpo["beta"]),
+                             desirable_weight=float(dpo["desirable_weight"]),
+                             undesirable_weight=float(dpo["undesirable_weight"]))
+    nll = torch.where(desirable, -policy / tokens.clamp(min=1), torch.zeros_like(policy)).sum() / len(policy)
+    metrics["nll/chosen"] = nll.detach()
+    return loss + float(dpo["chosen_nll_weight"]) * nll, metrics
 
 
 def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train: Batches, held_out: Split,
@@ -183,19 +225,22 @@ def main() -> None:
         "eval/likelihood_acc": likelihood_accuracy(held_out_ref, per_token)})
 
     record: dict[str, Any] = {}
+    metric_names = KTO_METRICS if dpo["loss"] in UNPAIRED else STEP_METRICS
     for step in run.steps():
         batches = [to_device(next(train), run.device) for _ in range(accum)]
-        sums = dict.fromkeys(("loss", *STEP_METRICS), 0.0)
-        for batch in batches:
+        with head.context():
+            refs = [reference(batch) if reference is not None else None for batch in batches]
+        z0 = kto_point(run, model, head, batches, refs) if dpo["loss"] in UNPAIRED else None
+        sums = dict.fromkeys(("loss", *metric_names), 0.0)
+        for batch, ref in zip(batches, refs):
             with head.context():
-                ref = reference(batch) if reference is not None else None
-                policy = pair_logprobs(model, head, batch)
-                loss, pair_metrics = pair_loss(dpo, policy, ref)
-                # Each rank's mean over its pairs, counted accum x dp times in the step: the mean over the step's pairs.
+                loss, pair_metrics = kto_row_loss(dpo, model, head, batch, ref, z0) if z0 is not None \
+                    else pair_loss(dpo, pair_logprobs(model, head, batch), ref)
+                # Each rank's mean over its rows, counted accum x dp times in the step: the mean over the step's rows.
                 optimization.backward(loss, per=accum * run.dp_size)
-            pairs = len(policy.chosen)
+            pairs = len(batch["chosen_input_ids"])
             sums["loss"] += float(loss.detach()) * pairs
-            for name in STEP_METRICS:
+            for name in metric_names:
                 sums[name] += float(pair_metrics[name]) * pairs
         useful = sum(non_pad_tokens(b[f"{side}_input_ids"], run.tokenizer.pad_id)
                      for b in batches for side in ("chosen", "rejected"))

@@ -7,12 +7,14 @@ built-in tasks (`data.tasks`, `data.n_*`) and from `data.sources` (local files o
 per kind. The tokenizer is the model folder's, or for a preset a byte-level BPE trained on the
 training text. Output (written to a temporary sibling and renamed when complete):
 
-    sft/ sft_eval/ preference/ prompts/ eval/   Arrow shards (posttrain.data.store.load_split)
+    sft/ sft_eval/ preference/ unpaired/ prompts/ eval/   Arrow shards (posttrain.data.store.load_split)
     tokenizer/                                  HF tokenizer folder used for every split
     stats.json                                  rows, tokens, loss tokens, packing, drop counts
     posttrain.json                              provenance
 
 `sft_eval` holds out min(data.n_eval, 10%) of the SFT rows, chosen by the seed, for NLL.
+`unpaired` (KTO's) holds the `unpaired` sources' rows, then each preference pair as two rows (its
+chosen completion desirable, its rejected one undesirable).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint import resolve_model_source
-from posttrain.data.sources import KINDS, TASK_COLUMNS, DataError, canonical_rows, load_source
+from posttrain.data.sources import KINDS, TASK_COLUMNS, TASK_KINDS, DataError, canonical_rows, load_source, unpair
 from posttrain.data.store import write_split
 from posttrain.data.tasks import make_splits
-from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text
+from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text, unpaired_split
 from posttrain.models import is_preset
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
@@ -49,7 +51,7 @@ def collect_rows(data: dict[str, Any], seed: int) -> tuple[dict[str, list[dict]]
     rows: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     bad = dict.fromkeys(KINDS, 0)
     if data["tasks"]:
-        sizes = {kind: data[f"n_{kind}"] for kind in KINDS}
+        sizes = {kind: data[f"n_{kind}"] for kind in TASK_KINDS}
         for kind, generated in make_splits(data["tasks"], sizes, seed).items():
             rows[kind] += canonical_rows(generated, kind, f"data.tasks ({kind})", TASK_COLUMNS[kind])[0]
     for i, source in enumerate(data["sources"]):
@@ -104,6 +106,9 @@ def main() -> None:
             write_split(out, name, columns)
         columns, splits["preference"] = preference_split(rows["preference"], tok, max_len, data["truncation"])
         write_split(out, "preference", columns)
+        columns, splits["unpaired"] = unpaired_split(rows["unpaired"] + unpair(rows["preference"]), tok, max_len,
+                                                     data["truncation"])
+        write_split(out, "unpaired", columns)
         for name in ("prompts", "eval"):
             columns, splits[name] = prompt_split(rows[name], tok, max_len, desc=f"tokenize {name}")
             write_split(out, name, columns)

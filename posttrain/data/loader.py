@@ -180,7 +180,8 @@ def _pad(seqs: list[np.ndarray], length: int, value: int) -> torch.Tensor:
 
 
 def preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Batch]:
-    """Collate for preference rows (also pairs built outside prepare_data: DPO's held-out and on-policy pairs)."""
+    """Collate for preference rows (also pairs built outside prepare_data: DPO's held-out and on-policy pairs,
+    and the unpaired split's rows, whose `desirable` labels it carries)."""
 
     def collate(cols: dict[str, Any], index: np.ndarray) -> Batch:
         sides = ("chosen", "rejected")
@@ -189,6 +190,8 @@ def preference_collate(pad_id: int) -> Callable[[dict[str, Any], np.ndarray], Ba
         for side in sides:
             batch[f"{side}_input_ids"] = _pad(list(cols[f"{side}_input_ids"]), length, pad_id)
             batch[f"{side}_labels"] = _pad(list(cols[f"{side}_labels"]), length, IGNORE_INDEX)
+        if "desirable" in cols:  # the unpaired split (KTO): each row's label
+            batch["desirable"] = torch.as_tensor(np.asarray(cols["desirable"], dtype=bool))
         return batch
 
     return collate

@@ -7,6 +7,8 @@ Kinds and their canonical rows (field names are the defaults of a source's `colu
 - `preference`: `{"prompt": messages, "chosen": messages, "rejected": messages}`; `prompt` is a
   string (one user turn) or a message list, `chosen`/`rejected` a string (one assistant turn) or
   the completion's message list.
+- `unpaired`: `{"prompt": messages, "completion": messages, "desirable": bool}`: one completion with
+  a thumbs up or down (`label`: true/false or 1/0), for KTO;
 - `prompts` / `eval`: `{"id", "task", "prompt", "answer", "example"}`; `example` is the whole row
   (prompt, answer, task, id and every other column) handed to the verifiers.
 
@@ -24,12 +26,14 @@ from typing import Any
 
 import pyarrow.parquet
 
-KINDS = ("sft", "preference", "prompts", "eval")
+KINDS = ("sft", "preference", "unpaired", "prompts", "eval")
+TASK_KINDS = ("sft", "preference", "prompts", "eval")  # the kinds the built-in tasks generate (data.n_<kind> rows)
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Canonical field -> default source column, per kind.
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "sft": {"messages": "messages", "prompt": "prompt", "response": "response", "system": "system"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system"},
+    "unpaired": {"prompt": "prompt", "completion": "completion", "label": "label", "system": "system"},
     "prompts": {"prompt": "prompt", "answer": "answer", "task": "task", "id": "id", "system": "system"},
     "eval": {"prompt": "prompt", "answer": "answer", "task": "task", "id": "id", "system": "system"},
 }
@@ -189,6 +193,23 @@ def _preference(c: _RowChecker) -> dict[str, Any]:
     return {"prompt": prompt, **pair}
 
 
+def _unpaired(c: _RowChecker) -> dict[str, Any]:
+    prompt = c.with_system(c.messages("prompt", "user"))
+    completion = c.messages("completion", "assistant")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise c.bad("completion", "has no assistant message")
+    label = c.get("label")
+    if label not in (True, False) or isinstance(label, float):  # bool, or the ints 1 and 0
+        raise c.bad("label", f"must be true/false (or 1/0), got {label!r}")
+    return {"prompt": prompt, "completion": completion, "desirable": bool(label)}
+
+
+def unpair(pairs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each preference pair as two unpaired rows: its chosen completion desirable, its rejected one not."""
+    return [{"prompt": pair["prompt"], "completion": pair[side], "desirable": side == "chosen"}
+            for pair in pairs for side in ("chosen", "rejected")]
+
+
 def _prompt(c: _RowChecker) -> dict[str, Any]:
     prompt = c.get("prompt")
     if not isinstance(prompt, str):  # a message list: validated, kept as given
@@ -202,7 +223,7 @@ def _prompt(c: _RowChecker) -> dict[str, Any]:
     return {"id": row_id, "task": task, "prompt": prompt, "answer": answer, "example": example}
 
 
-_CANONICAL = {"sft": _sft, "preference": _preference, "prompts": _prompt, "eval": _prompt}
+_CANONICAL = {"sft": _sft, "preference": _preference, "unpaired": _unpaired, "prompts": _prompt, "eval": _prompt}
 
 
 def canonical_rows(

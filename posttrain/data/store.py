@@ -17,15 +17,18 @@ import numpy as np
 import pyarrow as pa
 
 SHARD_BYTES = 512 * 2**20  # rows are cut into shards of about this size
+BOOL_COLUMNS = ("desirable",)  # the unpaired split's labels
 
 
 def _column(name: str, values: Any) -> pa.Array:
-    """[N, S] int array -> fixed-size lists; int sequences -> int32 lists; strings as they are.
+    """[N, S] int array -> fixed-size lists; int sequences -> int32 lists; booleans; strings as they are.
 
-    An empty column is typed by its name: `*ids` and `*labels` columns hold token ids.
+    An empty column is typed by its name: `*ids` and `*labels` columns hold token ids, `BOOL_COLUMNS` booleans.
     """
     if isinstance(values, np.ndarray) and values.ndim == 2:
         return pa.FixedSizeListArray.from_arrays(pa.array(values.astype(np.int32).ravel()), values.shape[1])
+    if name in BOOL_COLUMNS:
+        return pa.array([bool(v) for v in values], type=pa.bool_())
     token_column = len(values) > 0 and not isinstance(values[0], str) or name.endswith(("ids", "labels"))
     if not token_column:
         return pa.array(values, type=pa.string())

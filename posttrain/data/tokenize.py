@@ -102,9 +102,12 @@ def sft_split(
 
 
 def preference_split(
-    rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, truncation: str
+    rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, truncation: str, keep: Sequence[str] = ()
 ) -> tuple[dict[str, list], dict[str, Any]]:
-    """Tokenize prompt + chosen and prompt + rejected; only completion tokens are trained."""
+    """Tokenize prompt + chosen and prompt + rejected; only completion tokens are trained.
+
+    `keep`: row fields carried into the columns of the rows kept (the unpaired split's labels).
+    """
     _check_truncation(truncation)
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
@@ -117,9 +120,10 @@ def preference_split(
         return out
 
     encoded = _map(list(rows), encode, "tokenize preference")
-    columns: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")}
+    columns: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels",
+                                                *keep)}
     counts = {"truncated": 0, "dropped_too_long": 0, "dropped_no_loss_tokens": 0}
-    for row in encoded:
+    for source, row in zip(rows, encoded):
         fitted = {side: _fit(row[f"{side}_ids"], row[f"{side}_mask"], max_len, truncation) for side in ("chosen", "rejected")}
         if any(f is None for f in fitted.values()):
             counts["dropped_too_long"] += 1
@@ -131,6 +135,8 @@ def preference_split(
         for side, (ids, labels) in fitted.items():
             columns[f"{side}_input_ids"].append(ids)
             columns[f"{side}_labels"].append(labels)
+        for field in keep:
+            columns[field].append(source[field])
     all_labels = columns["chosen_labels"] + columns["rejected_labels"]
     stats = {
         "source_rows": len(rows),
@@ -139,6 +145,25 @@ def preference_split(
         "loss_tokens": sum(sum(label != IGNORE_INDEX for label in labels) for labels in all_labels),
         **counts,
     }
+    return columns, stats
+
+
+def unpaired_split(
+    rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, truncation: str
+) -> tuple[dict[str, list], dict[str, Any]]:
+    """Unpaired rows (KTO) in the preference split's columns, so one pair machinery scores both.
+
+    Row i's `chosen` side is its own completion; its `rejected` side is the completion of row
+    (i + n // 2) % n under row i's prompt: a mismatched pair, the sample KTO's KL reference point
+    is estimated on (Ethayarajh et al. 2024). Half a split away, it shares no prompt with row i when
+    the rows come two per pair (`sources.unpair`) and there are more than two. `desirable` is each row's label.
+    """
+    rows = list(rows)
+    n = len(rows)
+    pairs = [{"prompt": row["prompt"], "chosen": row["completion"], "rejected": rows[(i + n // 2) % n]["completion"],
+              "desirable": row["desirable"]} for i, row in enumerate(rows)]
+    columns, stats = preference_split(pairs, tok, max_len, truncation, keep=("desirable",))
+    stats["desirable_rows"] = sum(columns["desirable"])
     return columns, stats
 
 
@@ -179,6 +204,8 @@ def tokenizer_training_text(rows: Mapping[str, Sequence[dict[str, Any]]]) -> Ite
         yield from (f"{m['role']}\n{m['content']}" for m in row["messages"])
     for row in rows.get("preference", []):
         yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["chosen"] + row["rejected"])
+    for row in rows.get("unpaired", []):
+        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["completion"])
     for row in rows.get("prompts", []):
         prompt = row["prompt"]
         yield from ([f"user\n{prompt}"] if isinstance(prompt, str) else (f"{m['role']}\n{m['content']}" for m in prompt))

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from posttrain.data.tokenize import preference_split
 from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.dpo import REFERENCE_FREE, preference_loss
+from posttrain.losses.dpo import REFERENCE_FREE, pair_reward_type, preference_loss
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.tokenizer import Tokenizer
@@ -97,7 +97,7 @@ def implicit_preference_accuracy(
     """Share of pairs whose implicit reward (as defined by ``dpo.loss``) favours the chosen response.
 
     sigmoid/IPO: ``beta * (log pi - log pi_ref)`` (IPO length-averaged) needs the reference;
-    SimPO's ``beta * mean log pi`` and ORPO's do not. Ties count as wrong.
+    SimPO's ``beta * mean log pi`` and ORPO's do not; KTO's is sigmoid DPO's. Ties count as wrong.
     """
     n = len(pairs["chosen_input_ids"])
     if n == 0:
@@ -111,7 +111,7 @@ def implicit_preference_accuracy(
             raise ValueError(f"dpo.loss={dpo_cfg['loss']} needs the reference model")
         ref, _ = completion_logprobs(reference, ids, labels, pad_id, batch_size, "preference pairs (reference)")
     _, metrics = preference_loss(
-        dpo_cfg["loss"], logps[:n], logps[n:], lengths[:n], lengths[n:],
+        pair_reward_type(dpo_cfg["loss"]), logps[:n], logps[n:], lengths[:n], lengths[n:],
         None if ref is None else ref[:n], None if ref is None else ref[n:],
         beta=dpo_cfg["beta"], label_smoothing=dpo_cfg["label_smoothing"], simpo_gamma=dpo_cfg["simpo_gamma"],
     )

@@ -1,4 +1,5 @@
-"""Preference losses on per-sequence log-probs: sigmoid DPO (with label smoothing), IPO, SimPO, ORPO.
+"""Preference losses on per-sequence log-probs: sigmoid DPO (with label smoothing), IPO, SimPO, ORPO;
+and KTO on unpaired completions (`kto_loss`).
 
 Inputs are the summed log-probs of each completion's kept tokens and their token counts, as
 returned by ``posttrain.losses.logprobs.sequence_logprobs``; all tensors are ``[num_pairs]``.
@@ -17,6 +18,15 @@ from torch import Tensor
 
 PreferenceLossType = Literal["sigmoid", "ipo", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
+UNPAIRED = ("kto",)  # losses that train on unpaired completions, not pairs
+
+
+def pair_reward_type(loss_type: str) -> str:
+    """The pair loss whose metrics score held-out pairs by `loss_type`'s implicit reward.
+
+    KTO's reward is DPO's, ``beta * (log pi - log pi_ref)``: its pairs are scored as sigmoid DPO's.
+    """
+    return "sigmoid" if loss_type in UNPAIRED else loss_type
 
 
 def _metrics(
@@ -124,6 +134,47 @@ def orpo_loss(
     losses = -chosen - beta * F.logsigmoid(ratio)
     metrics = _metrics(beta * chosen, beta * rejected, policy_chosen, policy_rejected)
     metrics["orpo/log_odds_ratio"] = ratio.detach().mean()
+    return losses.mean(), metrics
+
+
+def kto_reference_point(policy_mismatched: Tensor, ref_mismatched: Tensor, rows: int) -> Tensor:
+    """KTO's z0: the policy's KL from the reference, estimated on mismatched completions, at least 0.
+
+    `policy_mismatched` / `ref_mismatched` are summed over a step's `rows` (all micro-batches and
+    ranks summed by the caller); no gradient flows through it, as in the paper.
+    """
+    return ((policy_mismatched - ref_mismatched).detach() / rows).clamp(min=0)
+
+
+def kto_loss(
+    policy: Tensor,
+    reference: Tensor,
+    desirable: Tensor,
+    z0: Tensor,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KTO (Ethayarajh et al. 2024) on unpaired completions, mean over rows.
+
+    With ``r = log pi - log pi_ref`` of each row's completion and ``z0`` the reference point
+    (`kto_reference_point`), a desirable row costs ``lambda_D (1 - sigma(beta (r - z0)))`` and an
+    undesirable one ``lambda_U (1 - sigma(beta (z0 - r)))``: the value function of prospect
+    theory, with the paper's (and TRL's) weights. Rewards are ``beta * r``; `rewards/accuracy` is
+    the share of rows on their label's side of ``beta * z0``.
+    """
+    rewards = beta * (policy - reference)
+    point = beta * z0
+    good = desirable.bool()
+    losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(rewards - point)),
+                         undesirable_weight * (1 - torch.sigmoid(point - rewards)))
+    signed = torch.where(good, rewards - point, point - rewards).detach()
+    metrics = {
+        "kl": z0.detach(),
+        "rewards/accuracy": (signed > 0).float().mean(),
+        "rewards/margin": signed.mean(),
+        "logps/completion": policy.detach().mean(),
+    }
     return losses.mean(), metrics
 
 
