@@ -1,6 +1,6 @@
 """The GRPO stage end to end on CPU: it raises its sampled reward and keeps held-out accuracy (sync,
 native sampler), async GRPO with Ray keeps every batch within the staleness bound and learns like sync,
-a killed run resumes bitwise, tensor parallelism matches one process."""
+a killed run resumes bitwise (also with dynamic sampling), tensor parallelism matches one process."""
 
 from __future__ import annotations
 
@@ -98,6 +98,26 @@ def test_killed_run_resumes_to_the_same_weights(policy, tmp_path):
     a, b = weights(whole), weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["reward_mean"] for r in step_records(whole)] == [r["reward_mean"] for r in step_records(killed)]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_draws_again_and_resumes_to_the_same_weights(policy, tmp_path):
+    """The partly solved policy solves some prompts every time: their groups are dropped and refilled, and a
+    killed run continues from the feed position the resampling left, not from the step count."""
+    data, model = policy
+    cfg = grpo_config("dynamic", steps=4, checkpoint_every=2, eval_prompts=4, prompts_per_step=4, group_size=4,
+                      dynamic_sampling=True, max_resamples=2)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run_grpo(cfg, data, model, whole)
+    records = step_records(whole)
+    assert sum(r["resampled_batches"] for r in records) > 0
+    assert records[-1]["ticket"] == len(records) + sum(r["resampled_batches"] for r in records)
+    proc = run_grpo(cfg, data, model, killed, check=False, POSTTRAIN_TEST_SIGKILL_AT_STEP="3")
+    assert proc.returncode != 0 and resume_dir(killed).exists()
+    run_grpo(cfg, data, model, killed)
+    a, b = weights(whole), weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["ticket"] for r in step_records(killed)] == [r["ticket"] for r in records]
 
 
 @pytest.mark.slow

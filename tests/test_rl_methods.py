@@ -1,6 +1,7 @@
 """RL methods beside GRPO: RLOO and REINFORCE++ advantages, GSPO's sequence-level ratio and DAPO's clip-higher,
 each against an independent float64 implementation of the paper's formula (loops and numpy, not the
-library's tensor code), and one optimizer step on each loss lowers it."""
+library's tensor code), and one optimizer step on each loss lowers it; DAPO's dynamic sampling on
+scripted draws (which groups a step keeps, the bound on extra draws)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from method_testing import lowered_by_one_step
 from posttrain.losses.grpo import group_advantages, grpo_loss
 from posttrain.rl.batch import advantages
-from posttrain.rl.rollout import RolloutGroup
+from posttrain.rl.collection import _Collection, _Draw, informative
+from posttrain.rl.rollout import RolloutGroup, rollout_stats
 
 RNG = np.random.default_rng(7)
 
@@ -145,3 +147,43 @@ def test_the_grpo_stage_runs_rloo_reinforce_pp_and_gspo_with_clip_higher(tmp_pat
         assert len(records) == 2 and all(np.isfinite(r["loss"]) and 0.0 <= r["clip_frac"] <= 1.0 for r in records)
         trained = weights(out)
         assert any(not torch.equal(trained[k], start[k]) for k in start), name
+
+
+class ScriptedCollection(_Collection):
+    """A collection whose prompt batches are given: dynamic sampling alone, without models or generators."""
+
+    def __init__(self, draws: list[list[RolloutGroup]], max_resamples: int):
+        super().__init__(None, None, torch.device("cpu"), {"dynamic_sampling": True, "max_resamples": max_resamples})
+        self.draws = iter(enumerate(draws, start=1))
+
+    def _draw(self) -> _Draw:
+        ticket, groups = next(self.draws)
+        return _Draw(groups, groups, version=ticket - 1, ticket=ticket, generate_s=1.0, wait_s=0.5)
+
+    def _share(self, groups):
+        return groups
+
+    def _stats(self, groups):
+        return rollout_stats(groups)
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_draws_again_until_the_step_is_full():
+    first = _groups(np.array([1, 1, 0, 1, 0, 0, 1, 1], dtype=float), 2)  # flat, signal, flat, flat
+    second = _groups(np.array([0, 1, 1, 1, 1, 0, 0, 0], dtype=float), 2)  # signal, flat, signal, flat
+    third = _groups(np.array([1, 0, 1, 0, 1, 0, 1, 0], dtype=float), 2)  # all with signal
+    unused = _groups(np.array([1, 0] * 4, dtype=float), 2)
+    collection = ScriptedCollection([first, second, third, unused], max_resamples=3)
+    step = collection.next()
+    assert step.groups == [first[1], second[0], second[2], third[0]]  # in draw order, flat ones dropped
+    assert collection.step_metrics() == {"resampled_batches": 2}
+    assert (step.ticket, step.version, step.generate_s, step.wait_s) == (3, 0, 3.0, 1.5) and collection.ticket == 3
+    assert step.stats["zero_signal_frac"] == 5 / 12  # over every group sampled, not the kept ones
+
+
+def test_dynamic_sampling_stops_at_its_bound_and_fills_the_step_with_flat_groups():
+    draws = [_groups(np.array([1, 0, 1, 1, 1, 1, 1, 1], dtype=float), 2), *(_groups(np.ones(8), 2) for _ in range(3))]
+    collection = ScriptedCollection(draws, max_resamples=2)
+    step = collection.next()
+    assert collection.step_metrics() == {"resampled_batches": 2} and step.ticket == 3  # the fourth batch is never drawn
+    assert step.groups[0] is draws[0][0] and [informative(g) for g in step.groups] == [True, False, False, False]
+    assert step.groups[1:] == draws[0][1:]  # filled with the first flat groups: zero advantage, the step keeps its size

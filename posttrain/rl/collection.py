@@ -13,6 +13,12 @@
 
 Both are resumable (`state_dict` / `load_state_dict`: the policy version and the prompt feed
 behind the last step trained) and give the held-out evaluation a worker at the trainer's weights.
+
+DAPO's dynamic sampling (`grpo.dynamic_sampling`) is theirs alike: a group whose rewards are all
+equal has no advantage to learn from, so it is dropped and the step drawn up again from the next
+prompt batches, at most `grpo.max_resamples` extra batches a step (every rank draws as often);
+a step still short after that is filled with dropped groups, which train nothing, so every step
+keeps its size. The step's statistics cover every group sampled.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from posttrain.rl.collect import PromptFeed, SyncCollector
 from posttrain.rl.ray_collect import RayCollector, split_groups, start_ray
 from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, greedy_accuracy, rollout_stats
 from posttrain.rl.weights import policy_weights
-from posttrain.training.stats import data_parallel_sum
+from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
 PromptLoader = Callable[[int, int], Batches]  # (rank, world size) -> the prompt batches of that shard
 
@@ -51,22 +57,75 @@ class StepBatch:
     wait_s: float  # seconds the trainer waited for them
 
 
+def informative(group: RolloutGroup) -> bool:
+    """Whether the group's rewards differ, so its advantages are not all zero."""
+    return len(set(group.rewards)) > 1
+
+
+@dataclass
+class _Draw:
+    """Rollouts of one or more prompt batches of a step, before they are shared out."""
+
+    groups: list[RolloutGroup]  # what the step trains on
+    sampled: list[RolloutGroup]  # every group drawn for it (its statistics)
+    version: int  # the oldest policy version among them
+    ticket: int  # the feed's number of the last prompt batch drawn
+    generate_s: float
+    wait_s: float
+
+
 class _Collection:
-    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, device: torch.device):
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, device: torch.device, grpo: Mapping[str, Any]):
         self.model, self.mesh, self.device = model, mesh, device
         self.version = 0  # the trainer's policy version: optimizer steps taken
         self.feed: PromptFeed | None = None
         self.ticket = 0
         self.eval_worker: RolloutWorker
+        self.resamples = int(grpo["max_resamples"]) if grpo["dynamic_sampling"] else None
+        self.resampled = 0  # extra prompt batches the last step drew
+
+    def next(self) -> StepBatch:
+        """This rank's groups of the next step (drawn up again without flat groups under dynamic sampling)."""
+        draw = self._draw()
+        if self.resamples is not None:
+            draw = self._without_flat_groups(draw)
+        self.ticket = draw.ticket
+        return StepBatch(self._share(draw.groups), self._stats(draw.sampled), draw.version, draw.ticket,
+                         draw.generate_s, draw.wait_s)
+
+    def _without_flat_groups(self, first: _Draw) -> _Draw:
+        size = len(first.groups)
+        kept, flat, draws = [g for g in first.groups if informative(g)], [], [first]
+        flat += [g for g in first.groups if not informative(g)]
+        while len(draws) <= self.resamples and max_over_ranks(float(len(kept) < size), self.device):
+            draws.append(self._draw())
+            kept += [g for g in draws[-1].groups if informative(g)]
+            flat += [g for g in draws[-1].groups if not informative(g)]
+        self.resampled = len(draws) - 1
+        return _Draw((kept + flat)[:size], [g for d in draws for g in d.groups], min(d.version for d in draws),
+                     draws[-1].ticket, sum(d.generate_s for d in draws), sum(d.wait_s for d in draws))
+
+    def _draw(self) -> _Draw:
+        """The rollouts of the next prompt batch (this rank's in sync mode, the whole step's in async)."""
+        raise NotImplementedError
+
+    def _share(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        """This rank's part of a draw's groups."""
+        raise NotImplementedError
+
+    def _stats(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """`rollout_stats` over the whole step (every rank's groups)."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy_version": self.version, "feed": self.feed.state_after(self.ticket) if self.feed else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after a resumed step: the feed's position, and the generators at the loaded weights."""
-        self.version = self.ticket = int(state["policy_version"])
+        self.version = int(state["policy_version"])
         if self.feed is not None:
             self.feed.load_state_dict(state["feed"])
+        self.ticket = self.feed.drawn if self.feed is not None else self.version  # resampling draws ahead of steps
         self._start_at(self.version)
 
     def _start_at(self, version: int) -> None:
@@ -83,7 +142,7 @@ class _Collection:
         return correct / max(total, 1)
 
     def step_metrics(self) -> dict[str, float]:
-        return {}
+        return {} if self.resamples is None else {"resampled_batches": self.resampled}
 
     def summary(self) -> dict[str, Any]:
         """What the run's summary records about collection (call before the collection closes)."""
@@ -99,9 +158,9 @@ class _Collection:
 class SyncCollection(_Collection):
     """Every data-parallel rank generates its own share of the step's prompts, with the current weights."""
 
-    def __init__(self, model: nn.Module, spec: WorkerSpec, prompts: PromptLoader, seed: int, mesh: DeviceMesh | None,
-                 device: torch.device, rank: int, world_size: int):
-        super().__init__(model, mesh, device)
+    def __init__(self, model: nn.Module, spec: WorkerSpec, prompts: PromptLoader, grpo: Mapping[str, Any], seed: int,
+                 mesh: DeviceMesh | None, device: torch.device, rank: int, world_size: int):
+        super().__init__(model, mesh, device, grpo)
         self.world_size = world_size
         self.feed = PromptFeed(prompts(rank, world_size), seed, rank)
         self.eval_worker = build_worker(spec)
@@ -110,13 +169,17 @@ class SyncCollection(_Collection):
     def _start_at(self, version: int) -> None:
         self.eval_worker.start_at(policy_weights(self.model, every_rank=True), version)
 
-    def next(self) -> StepBatch:
+    def _draw(self) -> _Draw:
         rollouts, wait_s = self.collector.next(self.version)
-        stats = rollout_stats(rollouts.payload)
+        return _Draw(rollouts.payload, rollouts.payload, rollouts.version, rollouts.ticket, rollouts.generate_s, wait_s)
+
+    def _share(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        return groups
+
+    def _stats(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        stats = rollout_stats(groups)
         summed = data_parallel_sum(list(stats.values()), self.mesh, self.device)
-        self.ticket = rollouts.ticket
-        return StepBatch(rollouts.payload, dict(zip(stats, (v / self.world_size for v in summed))), rollouts.version,
-                         rollouts.ticket, rollouts.generate_s, wait_s)
+        return dict(zip(stats, (v / self.world_size for v in summed)))
 
     def push_weights(self) -> None:
         self.version += 1
@@ -128,7 +191,7 @@ class AsyncCollection(_Collection):
 
     def __init__(self, model: nn.Module, spec: WorkerSpec, prompts: PromptLoader, grpo: Mapping[str, Any], seed: int,
                  mesh: DeviceMesh | None, device: torch.device, rank: int, world_size: int, is_main: bool):
-        super().__init__(model, mesh, device)
+        super().__init__(model, mesh, device, grpo)
         self.rank, self.world_size, self.is_main = rank, world_size, is_main
         self.collector: RayCollector | None = None
         if is_main:
@@ -152,11 +215,15 @@ class AsyncCollection(_Collection):
             self._started_s = self.collector.wait_ready()
         return self._started_s
 
-    def next(self) -> StepBatch:
+    def _draw(self) -> _Draw:
         rollouts, wait_s = broadcast_from_main(self.collector.next(self.version) if self.collector else None)
-        self.ticket = rollouts.ticket
-        return StepBatch(split_groups(rollouts.payload, self.rank, self.world_size), rollout_stats(rollouts.payload),
-                         rollouts.version, rollouts.ticket, rollouts.generate_s, wait_s)
+        return _Draw(rollouts.payload, rollouts.payload, rollouts.version, rollouts.ticket, rollouts.generate_s, wait_s)
+
+    def _share(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        return split_groups(groups, self.rank, self.world_size)
+
+    def _stats(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        return rollout_stats(groups)  # every rank holds the whole step's groups
 
     def push_weights(self) -> None:
         self.version += 1
@@ -170,7 +237,8 @@ class AsyncCollection(_Collection):
         return super().held_out_accuracy(prompts)
 
     def step_metrics(self) -> dict[str, float]:
-        return {"dropped_batches": len(self.collector.buffer.dropped)} if self.collector is not None else {}
+        dropped = {"dropped_batches": len(self.collector.buffer.dropped)} if self.collector is not None else {}
+        return {**super().step_metrics(), **dropped}
 
     def summary(self) -> dict[str, Any]:
         """The generators' start time and the nodes they ran on, next to the trainer's (rank 0's)."""
@@ -192,4 +260,4 @@ def build_collection(model: nn.Module, spec: WorkerSpec, prompts: PromptLoader, 
     """The collection `grpo.mode` asks for (`sync` or `async`)."""
     if grpo["mode"] == "async":
         return AsyncCollection(model, spec, prompts, grpo, seed, mesh, device, rank, world_size, is_main)
-    return SyncCollection(model, spec, prompts, seed, mesh, device, rank, world_size)
+    return SyncCollection(model, spec, prompts, grpo, seed, mesh, device, rank, world_size)
