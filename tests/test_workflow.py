@@ -162,7 +162,9 @@ def test_rl_methods_table_plans_one_sft_dpo_and_reward_job():
     assert list(plan.variants) == ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo"]
     assert {stage: len(plan.jobs[stage]) for stage in ("prepare_data", "sft", "dpo", "reward", "grpo")} == {
         "prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 6}
-    assert plan.variants["dapo"].stages["grpo"].resolved["grpo"]["clip_eps_high"] == 0.28
+    dapo = plan.variants["dapo"].stages["grpo"].resolved["grpo"]
+    assert dapo["clip_eps_high"] == 0.28 and dapo["dynamic_sampling"] is True
+    assert plan.variants["grpo"].stages["grpo"].resolved["grpo"]["dynamic_sampling"] is False
 
 
 def test_seed_table_replicates_the_default_pipeline(tmp_path):
