@@ -34,6 +34,8 @@ nvidia-smi -L
 part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py tests/test_attention.py
 part sft_memory 75 "$PY" benchmarks/sft_memory.py --device cuda --json "$OUT/sft_memory.json"
 part dpo_memory 60 "$PY" benchmarks/dpo_memory.py --device cuda --json "$OUT/dpo_memory.json"
+part dpo_memory_4bit 60 "$PY" benchmarks/dpo_memory.py --device cuda --low-bit adamw4bit --only on-precompute,on-online \
+  --json "$OUT/dpo_memory_4bit.json"
 for variant in packing eager; do
   part "profile_$variant" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
     --variant "$variant" --json "$OUT/profile_$variant.json" --work "$OUT/profile-work"
