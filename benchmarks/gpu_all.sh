@@ -8,6 +8,9 @@
 # time is reported and the next one still runs.
 #
 #   benchmarks/gpu_all.sh OUT_DIR
+#   PARTS="profile_packing gpu_check" benchmarks/gpu_all.sh OUT_DIR    # only these parts (a second lease call)
+# The parts' limits add up to more than one 600 s device call: a call that runs out leaves the parts
+# it finished in OUT_DIR, and PARTS runs the rest.
 set -uo pipefail
 [[ $# -eq 1 ]] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
 OUT=$1
@@ -18,9 +21,10 @@ mkdir -p "$OUT"
 cd "$ROOT"
 
 status=0
-part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to OUT/NAME.log
+part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to OUT/NAME.log (skipped when PARTS omits it)
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  if [[ -n "${PARTS:-}" && " $PARTS " != *" $name "* ]]; then echo "== $name: not in PARTS, skipped"; return; fi
   echo "== $name (limit ${limit} s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
