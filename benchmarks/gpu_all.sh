@@ -44,10 +44,6 @@ for variant in packing eager; do
   part "profile_$variant" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
     --variant "$variant" --json "$OUT/profile_$variant.json" --work "$OUT/profile-work"
 done
-GPU_CHECK_LIMIT_OURS=${for variant in packing eager; do
-  part "profile_$variant" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
-    --variant "$variant" --json "$OUT/profile_$variant.json" --work "$OUT/profile-work"
-done
-GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \
+GPU_CHECK_LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-150} GPU_CHECK_LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-75} \
   part gpu_check 240 bash benchmarks/gpu_check.sh "$OUT"
 exit $status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,15 @@ def test_profile_categories_follow_kernel_names():
     assert profile_step.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
     assert profile_step.category("NllLossBackward0") == "loss" and profile_step.category("aten::add_") == "other"
     assert profile_step.breakdown([("aten::mm", 2.0), ("aten::add_", 1.0)], wall_s=4.0)["host"] == 1.0
+
+
+def test_gpu_all_parses_and_parts_selects_what_runs(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh"), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PARTS": "none"}, timeout=120)
+    skipped = [line.split()[1].rstrip(":") for line in proc.stdout.splitlines() if line.endswith("not in PARTS, skipped")]
+    assert skipped == ["pytest_gpu", "sft_memory", "dpo_memory", "dpo_memory_4bit", "profile_packing", "profile_eager",
+                       "gpu_check"], proc.stdout + proc.stderr
+    assert proc.returncode == 0  # nothing ran, nothing failed
 
 
 def test_usage_errors():
