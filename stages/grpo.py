@@ -17,7 +17,12 @@ Each step:
    `async`: taken from the bounded-staleness buffer that `grpo.generators` Ray actors fill while
    the previous step trains, at most `grpo.max_staleness` policy versions old
    (`posttrain.rl.ray_collect`).
-2. Group-relative advantages (`grpo.std_normalize`).
+2. Advantages by `grpo.advantage`: group-relative (GRPO, Dr. GRPO, RLOO, REINFORCE++), or PPO's
+   (`gae`): a critic (`posttrain.rl.critic`, started from the policy or the reward model, its own
+   AdamW at `grpo.critic_lr`) values every completion token, GAE (`grpo.gamma`, `grpo.gae_lambda`)
+   spreads the completion's reward over its tokens, whitened over the step (`grpo.std_normalize`),
+   and each pass also takes one step on the clipped value loss (`grpo.value_clip`). The critic is
+   checkpointed and resumed with the policy. PPO runs in one process.
 3. `grpo.inner_epochs` passes over the rollouts, `grpo.micro_batch_size` completions per forward,
    one optimizer step per pass, PPO-clipped at `grpo.clip_eps`, token-level (DAPO) or
    per-sequence normalization (`grpo.token_level`), optional k3 KL to the frozen starting model
@@ -40,6 +45,7 @@ async run regenerates the batches it had in flight). The output is an HF model f
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -47,11 +53,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.losses.grpo import grpo_loss
+from posttrain.losses.ppo import gae, whiten
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.parallel import mesh_size
-from posttrain.rl.batch import advantages, micro_batches
+from posttrain.rl.batch import MicroBatch, advantages, micro_batches
 from posttrain.rl.collection import StepBatch, build_collection
+from posttrain.rl.critic import Critic, build_critic
 from posttrain.rl.prompts import eval_prompts, training_prompts
 from posttrain.rl.rollout import WorkerSpec
 from posttrain.training.faults import SettingError
@@ -70,9 +78,30 @@ INPUTS = {
 GENERATION_BATCH = 256  # sequences per native generate() call
 
 
+def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any],
+                device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """PPO: per-token advantages from the critic's values by GAE (whitened over the step with
+    `grpo.std_normalize`), put into `batches` in place of the completions' rewards; returns each
+    batch's (values, returns), the value loss's targets."""
+    targets, token_advantages = [], []
+    for batch in batches:
+        mask = batch.mask.to(device)
+        values = critic.values(batch.input_ids.to(device))
+        adv, returns = gae(batch.advantages.to(device), values, mask, float(grpo["gamma"]), float(grpo["gae_lambda"]))
+        targets.append((values * mask, returns))
+        token_advantages.append(adv)
+    if grpo["std_normalize"]:
+        flat = torch.cat([a[b.mask.to(device)] for a, b in zip(token_advantages, batches)]).double()
+        total, total_sq, count = float(flat.sum()), float(flat.square().sum()), flat.numel()
+        token_advantages = [whiten(a, b.mask.to(device), total, total_sq, count) for a, b in zip(token_advantages, batches)]
+    for i, adv in enumerate(token_advantages):
+        batches[i] = dataclasses.replace(batches[i], advantages=adv.cpu())
+    return targets
+
+
 def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHead, reference: Transformer | None,
              ref_head: OutputHead | None, optimization: Optimization, grpo: dict[str, Any], pad_id: int,
-             mesh: DeviceMesh | None, device: torch.device) -> dict[str, Any]:
+             mesh: DeviceMesh | None, device: torch.device, critic: Critic | None = None) -> dict[str, Any]:
     """Advantages, then `grpo.inner_epochs` passes over the rollouts with one optimizer step each; the step's metrics.
 
     The loss divides by the whole step's token (or completion) count. The PPO ratio is taken
@@ -80,10 +109,14 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
     computes anyway; the generator's log-probs enter only the truncated importance weight.
     """
     temperature, passes = float(grpo["temperature"]), int(grpo["inner_epochs"])
-    adv = advantages(rollouts.groups, grpo["std_normalize"], grpo["advantage"],
-                     lambda values: data_parallel_sum(values, mesh, device))
+    if critic is None:
+        adv = advantages(rollouts.groups, grpo["std_normalize"], grpo["advantage"],
+                         lambda values: data_parallel_sum(values, mesh, device))
+    else:  # PPO: each completion's reward, spread over its tokens by GAE (`ppo_targets`)
+        adv = torch.tensor([r for g in rollouts.groups for r in g.rewards], dtype=torch.float32)
     batches = micro_batches(rollouts.groups, adv, int(grpo["micro_batch_size"]), pad_id,
                             length_multiple=mesh_size(mesh, "tp"))
+    value_targets = ppo_targets(critic, batches, grpo, device) if critic is not None else []
     step_tokens, step_rows = data_parallel_sum(
         [sum(int(b.mask.sum()) for b in batches), sum(len(b.advantages) for b in batches)], mesh, device)
     # GSPO's loss is a mean over sequences; token-level normalization is a token ratio's
@@ -91,6 +124,8 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
     old: list[torch.Tensor] = []
     ref: list[torch.Tensor | None] = []
     sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight"), 0.0)
+    value_sums = dict.fromkeys(("value_loss", "value_mean", "value_clip_frac"), 0.0)
+    critic_norm = 0.0
     outcome: dict[str, Any] = {}
     gap_max = 0.0  # largest |trainer - generator| token log-prob at the step's starting weights
     for epoch in range(passes):
@@ -112,6 +147,11 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
                     tis_cap=float(grpo["tis_cap"]), clip_eps_high=grpo["clip_eps_high"], ratio_level=grpo["ratio"],
                 )
                 optimization.backward(loss)
+            if critic is not None:
+                value = critic.backward(batch.input_ids, *value_targets[i], batch.mask, denominator=step_tokens)
+                value_sums["value_loss"] += value["value_loss"]
+                for name in ("value_mean", "value_clip_frac"):
+                    value_sums[name] += value[name] * tokens
             sums["loss"] += float(local_value(loss.detach()))
             sums["clip_frac"] += float(m["clip_frac"]) * tokens
             sums["tis_weight"] += float(m["tis/weight_mean"]) * tokens
@@ -122,6 +162,8 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
                 log_gap = (batch.generator_logprobs - logp.detach()) * batch.mask
                 sums["generator_kl"] += float((log_gap.exp() - log_gap - 1).sum())
                 gap_max = max(gap_max, float(log_gap.abs().max()))
+        if critic is not None:
+            critic_norm = critic.step()
         (step_loss,) = data_parallel_sum([sums["loss"]], mesh, device)
         # lr, the last pass's grad_norm, and skipped when any pass was
         outcome = {**optimization.step(step, step_loss, advance_schedule=epoch == passes - 1),
@@ -139,6 +181,10 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
     }
     if reference is not None:
         record["kl"] = kl_sum / max(step_tokens * passes, 1)
+    if critic is not None:  # one process: these sums are the step's
+        record.update(value_loss=value_sums["value_loss"] / passes, critic_grad_norm=critic_norm,
+                      value_mean=value_sums["value_mean"] / max(step_tokens * passes, 1),
+                      value_clip_frac=value_sums["value_clip_frac"] / max(step_tokens * passes, 1))
     return record
 
 
@@ -148,6 +194,12 @@ def main() -> None:
     if grpo["prompts_per_step"] % run.dp_size:
         raise SettingError(f"grpo.prompts_per_step ({grpo['prompts_per_step']}) must be divisible by the "
                          f"data-parallel processes ({run.dp_size})")
+    ppo = grpo["advantage"] == "gae"
+    if ppo and (run.dp_size > 1 or cfg["parallel"]["tp"] > 1):
+        raise SettingError("grpo.advantage gae (PPO) trains its critic in one process; run the grpo stage with "
+                           "grpo.resources procs 1 and parallel.tp 1")
+    if ppo and grpo["ratio"] == "sequence":
+        raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * int(grpo["group_size"])
     hf_config = model_config(args.model, run.tokenizer)
     model = run.build_model(args.model, hf_config)
@@ -173,7 +225,9 @@ def main() -> None:
     )
     held_out = eval_prompts(args.data, int(grpo["eval_prompts"]), run.dp_rank, run.dp_size)
 
-    run.resume(model, optimization, collection)
+    critic = build_critic(grpo, args.model, args.reward, cfg["reward"]["reward_model"], int(cfg["seed"]),
+                          run.device) if ppo else None
+    run.resume(model, optimization, collection, extra={"critic": (critic.model, critic.optimizer)} if critic else None)
     history: list[dict[str, Any]] = []
     with collection:
         before = run.measure_before(lambda: {"eval_accuracy": collection.held_out_accuracy(held_out)})
@@ -182,7 +236,7 @@ def main() -> None:
             rollouts = collection.next()  # sampled by policy version rollouts.version <= collection.version
             t_train = time.perf_counter()
             record = train_on(rollouts, step, model, head, reference, ref_head, optimization, grpo,
-                              run.tokenizer.pad_id, run.mesh, run.device)
+                              run.tokenizer.pad_id, run.mesh, run.device, critic)
             collection.push_weights()  # the new weights to the generators, as the next policy version
             seconds = run.seconds()
             record.update(

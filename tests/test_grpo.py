@@ -1,6 +1,7 @@
 """The GRPO stage end to end on CPU: it raises its sampled reward and keeps held-out accuracy (sync,
 native sampler), async GRPO with Ray keeps every batch within the staleness bound and learns like sync,
-a killed run resumes bitwise (also with dynamic sampling), tensor parallelism matches one process."""
+a killed run resumes bitwise (also with dynamic sampling, and PPO with its critic), tensor parallelism matches
+one process."""
 
 from __future__ import annotations
 
@@ -118,6 +119,30 @@ def test_dynamic_sampling_draws_again_and_resumes_to_the_same_weights(policy, tm
     a, b = weights(whole), weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["ticket"] for r in step_records(killed)] == [r["ticket"] for r in records]
+
+
+@pytest.mark.slow
+def test_ppo_trains_its_critic_and_resumes_both_bitwise(tmp_path):
+    """grpo.advantage gae: the critic's value loss is logged and stepped; a run killed after its checkpoint ends
+    with the uninterrupted run's policy, which it can only reach with the critic's weights and Adam state restored."""
+    data, model = random_policy(tmp_path)
+    cfg = grpo_config("ppo", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=4,
+                      checkpoint_every=2, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_prompts=4,
+                      advantage="gae", critic_lr=1e-3, lr=1e-3)
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run_grpo(cfg, data, model, whole, **env)
+    records = step_records(whole)
+    assert all(r["value_loss"] > 0 and r["critic_grad_norm"] > 0 for r in records)
+    proc = run_grpo(cfg, data, model, killed, check=False, POSTTRAIN_TEST_SIGKILL_AT_STEP="3", **env)
+    assert proc.returncode != 0 and resume_dir(killed).exists()
+    run_grpo(cfg, data, model, killed, **env)
+    a, b = weights(whole), weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["value_loss"] for r in step_records(killed)] == [r["value_loss"] for r in records]
+    cfg["grpo"]["critic_init"] = "reward_model"
+    proc = run_grpo(cfg, data, model, tmp_path / "no-rm", check=False, **env)
+    assert proc.returncode != 0 and "critic_init: reward_model needs the reward stage's model" in proc.stderr + proc.stdout
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """RL methods beside GRPO: RLOO and REINFORCE++ advantages, GSPO's sequence-level ratio and DAPO's clip-higher,
 each against an independent float64 implementation of the paper's formula (loops and numpy, not the
 library's tensor code), and one optimizer step on each loss lowers it; DAPO's dynamic sampling on
-scripted draws (which groups a step keeps, the bound on extra draws)."""
+scripted draws (which groups a step keeps, the bound on extra draws); PPO's GAE, value loss and
+whitening against float64 loops."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from method_testing import lowered_by_one_step
 from posttrain.losses.grpo import group_advantages, grpo_loss
+from posttrain.losses.ppo import clipped_value_loss, gae, whiten
 from posttrain.rl.batch import advantages
 from posttrain.rl.collection import _Collection, _Draw, informative
 from posttrain.rl.rollout import RolloutGroup, rollout_stats
@@ -187,3 +189,69 @@ def test_dynamic_sampling_stops_at_its_bound_and_fills_the_step_with_flat_groups
     assert collection.step_metrics() == {"resampled_batches": 2} and step.ticket == 3  # the fourth batch is never drawn
     assert step.groups[0] is draws[0][0] and [informative(g) for g in step.groups] == [True, False, False, False]
     assert step.groups[1:] == draws[0][1:]  # filled with the first flat groups: zero advantage, the step keeps its size
+
+
+def _rows(batch: int, length: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """A mask of one contiguous completion per row (start, end), of varying places and lengths."""
+    mask, spans = np.zeros((batch, length), dtype=bool), []
+    for b in range(batch):
+        start = int(RNG.integers(0, length - 2))
+        end = int(RNG.integers(start + 1, length + 1))
+        mask[b, start:end] = True
+        spans.append((start, end))
+    return mask, spans
+
+
+def test_gae_matches_the_papers_recursion():
+    """Schulman et al. 2016: delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lambda)^l delta_{t+l}; reward at the end."""
+    batch, length, gamma, lam = 5, 9, 0.97, 0.9
+    mask, spans = _rows(batch, length)
+    values, rewards = RNG.normal(size=(batch, length)), RNG.normal(size=batch)
+    got_adv, got_ret = gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), gamma, lam)
+    for b, (start, end) in enumerate(spans):
+        v = list(values[b, start:end]) + [0.0]
+        r = [0.0] * (end - start - 1) + [rewards[b]]
+        deltas = [r[t] + gamma * v[t + 1] - v[t] for t in range(end - start)]
+        for t in range(end - start):
+            expected = sum((gamma * lam) ** l * deltas[t + l] for l in range(end - start - t))
+            assert got_adv[b, start + t].item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+            assert got_ret[b, start + t].item() == pytest.approx(expected + v[t], rel=1e-12, abs=1e-12)
+        assert not got_adv[b, :start].any() and not got_adv[b, end:].any()
+
+
+def test_clipped_value_loss_and_whitening_match_their_formulas():
+    batch, length, clip = 4, 6, 0.2
+    mask, _ = _rows(batch, length)
+    values, old, returns = (RNG.normal(size=(batch, length)) for _ in range(3))
+    loss, metrics = clipped_value_loss(torch.tensor(values), torch.tensor(old), torch.tensor(returns),
+                                       torch.tensor(mask), clip, denominator=10.0)
+    total = 0.0
+    for b in range(batch):
+        for t in range(length):
+            if mask[b, t]:
+                clipped = old[b, t] + min(max(values[b, t] - old[b, t], -clip), clip)
+                total += 0.5 * max((values[b, t] - returns[b, t]) ** 2, (clipped - returns[b, t]) ** 2)
+    assert loss.item() == pytest.approx(total / 10.0, rel=1e-12)
+    assert metrics["value_clip_frac"].item() == pytest.approx(np.mean(np.abs(values - old)[mask] > clip))
+    adv = torch.tensor(values)
+    kept = adv[torch.tensor(mask)]
+    white = whiten(adv, torch.tensor(mask), float(kept.sum()), float(kept.square().sum()), kept.numel())
+    assert white[torch.tensor(mask)].mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert white[torch.tensor(mask)].std(unbiased=False).item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_token_advantages_equal_to_a_rows_advantage_give_the_rows_loss():
+    logp, old = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    mask, adv = torch.ones(3, 5, dtype=torch.bool), torch.randn(3, dtype=torch.float64)
+    row, _ = grpo_loss(logp, old, adv, mask)
+    token, _ = grpo_loss(logp, old, adv[:, None].expand(3, 5), mask)
+    assert token.item() == pytest.approx(row.item(), rel=1e-12)
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        grpo_loss(logp, old, adv[:, None].expand(3, 5), mask, ratio_level="sequence")
+
+
+def test_one_optimizer_step_lowers_the_value_loss():
+    torch.manual_seed(0)
+    values = torch.nn.Parameter(torch.randn(4, 6))
+    old, returns, mask = values.detach().clone(), torch.randn(4, 6), torch.ones(4, 6, dtype=torch.bool)
+    assert lowered_by_one_step(values, lambda: clipped_value_loss(values, old, returns, mask, 0.5, 24.0)[0])

@@ -159,9 +159,9 @@ def test_example_sweep_table_shares_the_prefix():
 
 def test_rl_methods_table_plans_one_sft_dpo_and_reward_job():
     plan = build_plan(cfg_with(ablations=str(REPO / "config/examples/ablations-rl.tsv")))
-    assert list(plan.variants) == ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo"]
+    assert list(plan.variants) == ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo"]
     assert {stage: len(plan.jobs[stage]) for stage in ("prepare_data", "sft", "dpo", "reward", "grpo")} == {
-        "prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 6}
+        "prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 7}
     dapo = plan.variants["dapo"].stages["grpo"].resolved["grpo"]
     assert dapo["clip_eps_high"] == 0.28 and dapo["dynamic_sampling"] is True
     assert plan.variants["grpo"].stages["grpo"].resolved["grpo"]["dynamic_sampling"] is False

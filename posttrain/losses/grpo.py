@@ -95,7 +95,8 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped-ratio policy loss, optional k3 KL penalty and truncated importance correction.
 
-    Per token: ``-w * min(r A, clip(r, 1-eps, 1+eps) A) + kl_coef * k3`` with
+    Per token: ``-w * min(r A, clip(r, 1-eps, 1+eps) A) + kl_coef * k3`` (A the sequence's advantage,
+    or the token's when `advantages` is `[B, T]`: PPO with a critic) with
     ``r = exp(logprobs - old_logprobs)``, ``w`` the truncated importance weight (1 without
     ``generator_logprobs``) and ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's unbiased,
     non-negative KL estimator; only with ``ref_logprobs``).
@@ -119,19 +120,23 @@ def grpo_loss(
     (tokens whose gradient the clip removed), ``ratio/mean|min|max``, ``kl`` with a reference,
     ``tis/weight_mean`` and ``tis/truncated_frac`` with generator log-probs.
     """
-    if not logprobs.shape == old_logprobs.shape == mask.shape or advantages.shape != logprobs.shape[:1]:
+    per_token_advantages = advantages.shape == logprobs.shape  # PPO's (GAE), one per token
+    if not logprobs.shape == old_logprobs.shape == mask.shape or not (
+            advantages.shape == logprobs.shape[:1] or per_token_advantages):
         raise ValueError(
-            f"expected logprobs/old_logprobs/mask [B, T] and advantages [B]; got "
+            f"expected logprobs/old_logprobs/mask [B, T] and advantages [B] or [B, T]; got "
             f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}, {tuple(advantages.shape)}"
         )
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if ratio_level == "sequence" and per_token_advantages:
+        raise ValueError("a sequence-level ratio (GSPO) takes one advantage per sequence, not per token")
     high = clip_eps if clip_eps_high is None else clip_eps_high
     if ratio_level == "sequence":
         return _sequence_loss(logprobs, old_logprobs, advantages, mask, clip_eps, high, denominator, ref_logprobs,
                               kl_coef, generator_logprobs, tis_cap)
     mask = mask.to(logprobs.dtype)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages if per_token_advantages else advantages.unsqueeze(-1)
     ratio = torch.exp(logprobs - old_logprobs.detach())
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + high) * adv

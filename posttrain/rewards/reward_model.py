@@ -98,12 +98,14 @@ def score_sequences(model: RewardModel, sequences: Sequence[Sequence[int]], pad_
 
 
 def load_reward_model(
-    source: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    source: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    model_class: type[RewardModel] | None = None,
 ) -> RewardModel:
     """A reward model from a folder written by `save_reward_model`, or a new one on a causal LM's decoder.
 
     From a causal LM folder (no `score.weight`) the LM head is dropped and the score head is drawn
-    from torch's global RNG (seed it first for a reproducible start).
+    from torch's global RNG (seed it first for a reproducible start). `model_class`: a subclass
+    with the same parameters (PPO's value model).
     """
     folder = resolve_model_source(source)
     config = read_hf_config(folder)
@@ -116,7 +118,7 @@ def load_reward_model(
     config = {k: v for k, v in config.items() if k not in ("architectures", "num_labels", "id2label", "label2id")}
     with torch.device("meta"):
         try:
-            model = RewardModel(config)
+            model = (model_class or RewardModel)(config)
         except ValueError as e:
             raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     model.to_empty(device=device)

@@ -28,6 +28,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from torch import nn
+from torch.optim import Optimizer
+
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.models import Transformer
 from posttrain.parallel import build_mesh, data_parallel_rank, destroy, init_distributed
@@ -111,11 +114,13 @@ class StageRun:
     def optimization(self, model: Transformer) -> Optimization:
         return Optimization(model, self.section, self.memory, self.mesh, self.stage, lambda: self.last_checkpoint)
 
-    def resume(self, model: Transformer, optimization: Optimization, data: Resumable) -> ResumePoint | None:
-        """Load the newest checkpoint into model, optimizer, schedule, RNG and `data`; open the metrics."""
-        self._model, self._optimization, self._data = model, optimization, data
+    def resume(self, model: Transformer, optimization: Optimization, data: Resumable,
+               extra: Mapping[str, tuple[nn.Module, Optimizer]] | None = None) -> ResumePoint | None:
+        """Load the newest checkpoint into model, optimizer, schedule, RNG and `data` (and `extra`'s
+        models and optimizers, trained beside the main one: PPO's critic); open the metrics."""
+        self._model, self._optimization, self._data, self._extra = model, optimization, data, extra
         self.checkpointer = Checkpointer(self.out, every=self.section["checkpoint_every"], key=self.cfg["key"])
-        resumed = self.checkpointer.load(model, optimization.optimizer, optimization.scheduler)
+        resumed = self.checkpointer.load(model, optimization.optimizer, optimization.scheduler, extra)
         if resumed is not None:
             data.load_state_dict(resumed.data_state["data"])
             self.before = resumed.data_state["before"]
@@ -171,7 +176,7 @@ class StageRun:
     def _save(self, step: int) -> None:
         self.last_checkpoint = self.checkpointer.save(
             step, self._model, self._optimization.optimizer, self._optimization.scheduler,
-            {"data": self._data.state_dict(), "before": self.before})
+            {"data": self._data.state_dict(), "before": self.before}, self._extra)
 
     def seconds(self) -> float:
         """Seconds since the current step began."""

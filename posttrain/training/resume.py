@@ -22,7 +22,7 @@ import shutil
 import signal
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,15 +150,19 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         data_state: dict[str, Any],
+        extra: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
     ) -> Path:
-        """Write the state after `step` atomically and drop older checkpoints; returns the directory."""
+        """Write the state after `step` atomically and drop older checkpoints; returns the directory.
+
+        `extra`: further (model, optimizer) pairs trained beside the main one (PPO's critic), by name.
+        """
         final = self.root / f"step-{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
+        state = _states(model, optimizer, extra)
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
         record = {
@@ -190,8 +194,9 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        extra: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
     ) -> ResumePoint | None:
-        """Restore the newest checkpoint into model, optimizers, scheduler and RNGs; None when there is none.
+        """Restore the newest checkpoint into model, optimizers, scheduler, RNGs (and `extra`, as saved); None when there is none.
 
         With none, the run starts over: live metrics that a killed run logged before its first
         checkpoint are dropped, or the new run's records would follow them.
@@ -218,15 +223,17 @@ class Checkpointer:
                 f"{path}: resume state belongs to stage key {record.get('key')!r}, not this run's {self.key!r}; "
                 f"delete {self.root}"
             )
-        state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
+        state = _states(model, optimizer, extra)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
-        result = set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-        wrong = sorted(set(result.missing_keys) - frozen) + sorted(result.unexpected_keys)
-        if wrong:
-            raise ResumeError(f"{path}: checkpoint does not match the model (first mismatched tensor {wrong[0]!r})")
-        load_optimizer_state_dict(model, optimizer, state["optim"])
+        for name, (module, optim) in {"": (model, optimizer), **{f"{k}/": v for k, v in (extra or {}).items()}}.items():
+            result = set_model_state_dict(module, state[f"{name}model"], options=_LOAD_OPTIONS)
+            frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+            wrong = sorted(set(result.missing_keys) - frozen) + sorted(result.unexpected_keys)
+            if wrong:
+                raise ResumeError(f"{path}: checkpoint does not match the {name.rstrip('/') or 'model'} "
+                                  f"(first mismatched tensor {wrong[0]!r})")
+            load_optimizer_state_dict(module, optim, state[f"{name}optim"])
         if scheduler is not None:
             scheduler.load_state_dict(record["scheduler"])
         _set_rng_state(record["rng"])
@@ -235,6 +242,16 @@ class Checkpointer:
     def remove(self) -> None:
         """Delete the resume state once the final output is complete."""
         remove_resume_state(self.root)
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer,
+            extra: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]] | None) -> dict[str, Any]:
+    """The DCP state of the main (model, optimizer) and of each extra pair under `<name>/`."""
+    state = {"model": get_model_state_dict(model, options=_OPTIONS), "optim": optimizer_state_dict(model, optimizer)}
+    for name, (module, optim) in (extra or {}).items():
+        state[f"{name}/model"] = get_model_state_dict(module, options=_OPTIONS)
+        state[f"{name}/optim"] = optimizer_state_dict(module, optim)
+    return state
 
 
 def remove_resume_state(root: Path) -> None:

@@ -1,0 +1,75 @@
+"""PPO's critic: a value model beside the policy, with its own optimizer, checkpointed with it.
+
+The value model has the reward model's layout (the decoder and a scalar `score` head,
+`posttrain.rewards.reward_model`) read at every position: ``V(s_t)`` for the state that predicts
+token t. It starts from the policy's decoder (`grpo.critic_init: policy`, head drawn from the
+run's seed) or from the reward stage's trained reward model (`reward_model`). It runs in the
+trainer's process, unsharded: PPO is offered on one process (the stage refuses more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.losses.ppo import clipped_value_loss
+from posttrain.models import Transformer
+from posttrain.rewards.reward_model import RewardModel, load_reward_model
+from posttrain.training.faults import SettingError
+
+CRITIC_INITS = ("policy", "reward_model")
+
+
+class ValueModel(RewardModel):
+    """`RewardModel`'s parameters, its score read at every position."""
+
+    def token_values(self, input_ids: Tensor) -> Tensor:
+        """Values `[B, S]` (float32) of every position of right-padded rows."""
+        return self.score(Transformer.forward(self, input_ids)).squeeze(-1).float()
+
+
+class Critic:
+    """The value model, its AdamW and the clipped value loss of `grpo`'s settings."""
+
+    def __init__(self, model: ValueModel, grpo: Mapping[str, Any]):
+        self.model = model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(grpo["critic_lr"]), weight_decay=0.0)
+        self.clip, self.max_grad_norm = float(grpo["value_clip"]), grpo["max_grad_norm"]
+
+    @torch.no_grad()
+    def values(self, input_ids: Tensor) -> Tensor:
+        return self.model.token_values(input_ids)
+
+    def backward(self, input_ids: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                 denominator: float) -> dict[str, float]:
+        """The value loss of one micro-batch (a share `denominator` of the step's tokens), back-propagated."""
+        loss, metrics = clipped_value_loss(self.model.token_values(input_ids), old_values, returns, mask, self.clip,
+                                           denominator)
+        loss.backward()
+        return {"value_loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    def step(self) -> float:
+        """One optimizer step on the accumulated gradients; returns their norm (before clipping)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = float("inf") if self.max_grad_norm is None else float(self.max_grad_norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+def build_critic(grpo: Mapping[str, Any], policy_dir: str, reward_dir: str | None, reward_model: bool, seed: int,
+                 device: torch.device) -> Critic:
+    """The critic `grpo.critic_init` asks for; a reward-model start needs the reward stage's trained model."""
+    init = grpo["critic_init"]
+    if init not in CRITIC_INITS:
+        raise SettingError(f"grpo.critic_init must be one of {CRITIC_INITS}, got {init!r}")
+    if init == "reward_model" and not (reward_dir and reward_model):
+        raise SettingError("grpo.critic_init: reward_model needs the reward stage's model (reward.reward_model: true "
+                         "and --reward)")
+    torch.manual_seed(seed)  # the value head of a policy start
+    source = f"{reward_dir}/rm" if init == "reward_model" else policy_dir
+    return Critic(load_reward_model(source, device, model_class=ValueModel), grpo)
