@@ -185,4 +185,5 @@ def save_hf_model(
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}

@@ -1,7 +1,8 @@
 """Read the architecture hyper-parameters we need out of a Hugging Face `config.json` dict.
 
-One decoder covers Llama 3.x, Qwen2.5 and Qwen3; the family only changes a few switches
-(q/k/v bias, q/k RMSNorm, rope scaling), so the config is normalized here once.
+One decoder covers Llama 3.x, Qwen2.5, Qwen3 and Qwen3-MoE; the family only changes a few switches
+(q/k/v bias, q/k RMSNorm, rope scaling, which layers route tokens to experts), so the config is
+normalized here once.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 class ModelConfigError(ValueError):
@@ -36,6 +37,13 @@ class ModelArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     initializer_range: float
+    # Mixture of experts (Qwen3-MoE); 0 experts: every layer dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelArgs":
@@ -86,8 +94,26 @@ class ModelArgs:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **_moe_args(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             **args,
         )
+
+
+def _moe_args(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's routing settings; which layers are sparse follows transformers' rule."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0)
+    if experts == 0:
+        return {}
+    step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+    layers = int(hf["num_hidden_layers"])
+    return {
+        "num_experts": experts,
+        "experts_per_token": int(hf["num_experts_per_tok"]),
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+    }

@@ -45,6 +45,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1024,
         "vocab_size": 512,
     },
+    # ~5.5M parameters at vocab 512, ~2.0M of them active per token: `tiny`'s attention, 8 experts of a
+    # quarter of its MLP each, two per token (a mixture-of-experts policy to try the stages with).
+    "tiny-moe": {
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 192,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "vocab_size": 512,
+    },
 }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from posttrain.models.args import ModelArgs
 from posttrain.models.attention import AttentionMask, attend, attention_mask
+from posttrain.models.moe import SparseMoE, load_balancing_loss
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +154,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = (SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.experts_per_token,
+                              args.norm_topk_prob) if layer_idx in args.sparse_layers else MLP(args))
 
     def forward(self, x, rope, mask, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
@@ -210,6 +212,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.aux_loss: torch.Tensor | None = None  # MoE: the last training forward's load-balancing loss
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -260,7 +263,16 @@ class Transformer(nn.Module):
             x = layer(x, rope, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length += input_ids.shape[1]
+        if self.args.num_experts:  # dense models set nothing here (no side effect for torch.compile)
+            self._record_router_loss()
         return self.model.norm(x)
+
+    def _record_router_loss(self) -> None:
+        """`aux_loss`: the load-balancing loss of this forward's routing when it trains, else None."""
+        self.aux_loss = None
+        if self.training and torch.is_grad_enabled():
+            logits = [layer.mlp.router_logits for layer in self.model.layers.values() if isinstance(layer.mlp, SparseMoE)]
+            self.aux_loss = load_balancing_loss(logits, self.args.num_experts, self.args.experts_per_token)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits; only for short sequences (generation, tests). Training uses chunked losses."""

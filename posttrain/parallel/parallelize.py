@@ -73,6 +73,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         raise ValueError(f"parallel.tp={tp} does not divide the model's vocab_size={args.vocab_size}")
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("tensor parallelism does not support LoRA/QLoRA adapters: set parallel.tp=1")
+    if args.num_experts:
+        raise ValueError("tensor parallelism does not shard mixture-of-experts layers: set parallel.tp=1 "
+                         "(FSDP2 shards their experts)")
     parallelize_module(
         model,
         tp_mesh,

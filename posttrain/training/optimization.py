@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from posttrain.models.args import ModelArgs
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import mesh_size
 from posttrain.training.faults import NonFiniteLossGuard, SettingError
@@ -45,15 +46,25 @@ class Optimization:
                                         skip_possible=not self.in_backward)
         self.replicas = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard")
         self.last_checkpoint = last_checkpoint
+        # MoE: each backward adds its forward's load-balancing loss, averaged over the step's forwards
+        # (grad_accum per rank; GRPO trains one micro-batch a step).
+        args = getattr(model, "args", None)  # a Transformer's; any other module routes nothing
+        self.aux_coef = float(args.router_aux_loss_coef) if isinstance(args, ModelArgs) else 0.0
+        self.forwards = int(section["grad_accum"]) if "grad_accum" in section else 1
 
     def backward(self, loss: torch.Tensor, per: float = 1) -> None:
         """Backpropagate `loss / per`, where `per` is what the step's loss is normalized by, all ranks together.
 
         A loss summed over tokens passes the step's token count; a loss already normalized passes 1.
         FSDP2 averages gradients over the data-parallel replicas, so the loss is scaled up by their
-        number: the gradient is then that of the whole step's normalized loss.
+        number: the gradient is then that of the whole step's normalized loss. A mixture-of-experts
+        model adds `router_aux_loss_coef` x the load-balancing loss of the forward being propagated.
         """
-        (loss * (self.replicas / max(per, 1))).backward()
+        total = loss * (self.replicas / max(per, 1))
+        aux = self.model.aux_loss if self.aux_coef else None
+        if aux is not None:  # a mean already: FSDP's averaging over replicas is what it needs
+            total = total + aux * (self.aux_coef / self.forwards)
+        total.backward()
 
     @property
     def lr(self) -> float:
