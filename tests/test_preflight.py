@@ -54,6 +54,15 @@ def test_batches_that_do_not_split_over_the_processes_are_refused():
     assert "sft.resources: 1 processes, which parallel.tp (2) x parallel.dp_replicate (1) does not divide" in text
 
 
+def test_ppo_and_kto_settings_the_stages_refuse_are_refused_at_plan_time():
+    text = _problems(grpo={"advantage": "gae", "ratio": "sequence", "critic_init": "reward_model",
+                           "resources": {"procs": 2}}, dpo={"loss": "kto", "pairs": "on_policy"})
+    assert "grpo.resources: 2 processes: PPO (grpo.advantage: gae) trains its critic in one process" in text
+    assert "grpo.ratio: sequence: PPO's advantages are per token" in text
+    assert "grpo.critic_init: reward_model: the reward stage trains no reward model" in text
+    assert "dpo.pairs: on_policy: KTO (dpo.loss: kto) trains on the prepared unpaired split" in text
+
+
 def test_missing_model_and_data_sources_are_named(tmp_path, monkeypatch):
     text = _problems(model={"policy": "/nonexistent/model", "student": str(tmp_path / "student")},
                      data={"sources": [{"path": str(tmp_path / "rows.jsonl"), "kind": "sft"}]})

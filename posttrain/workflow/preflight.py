@@ -8,6 +8,8 @@ config can break are checked here, for every variant, with the config key to cha
 - optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
   one micro-batch;
 - tensor parallelism without LoRA/QLoRA adapters;
+- PPO (`grpo.advantage: gae`): one process, a token-level ratio, a reward model to start the critic
+  from when `grpo.critic_init` asks; KTO (`dpo.loss: kto`) on the offline unpaired split;
 - generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
 - model and data sources: a local folder or file the config names exists; a hub model id, with
   `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
@@ -52,6 +54,9 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
     in_backward = bool(cfg["memory"]["optimizer_in_backward"])
     problems += generator_node_problems(cfg)
+    if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
+        problems.append(("dpo.pairs", f"{cfg['dpo']['pairs']}: KTO (dpo.loss: kto) trains on the prepared unpaired "
+                         "split; set dpo.pairs: offline"))
     for stage in TRAINING_SECTIONS:
         section = cfg[stage]
         if tp > 1 and section.get("method", "full") != "full":
@@ -65,6 +70,8 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                              f"parallel.dp_replicate ({replicate}) does not divide"))
             continue
         dp = world // tp
+        if stage == "grpo" and section["advantage"] == "gae":
+            problems += ppo_problems(cfg, world)
         if stage == "grpo":
             prompts, rows = int(section["prompts_per_step"]), int(section["group_size"])
             if prompts % dp:
@@ -84,6 +91,20 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         if in_backward and section["max_grad_norm"]:
             problems.append((f"{stage}.max_grad_norm", f"{section['max_grad_norm']}: memory.optimizer_in_backward frees "
                              "each gradient right after its step, so there is no norm to clip by: set it to 0 or null"))
+    return problems
+
+
+def ppo_problems(cfg: Mapping[str, Any], world: int) -> list[tuple[str, str]]:
+    """What the grpo stage refuses of PPO (`grpo.advantage: gae`)."""
+    grpo, problems = cfg["grpo"], []
+    if world > 1:
+        problems.append(("grpo.resources", f"{world} processes: PPO (grpo.advantage: gae) trains its critic in one "
+                         "process; set nodes 1 and procs (or gpus) 1"))
+    if grpo["ratio"] == "sequence":
+        problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
+    if grpo["critic_init"] == "reward_model" and not cfg["reward"]["reward_model"]:
+        problems.append(("grpo.critic_init", "reward_model: the reward stage trains no reward model; set "
+                         "reward.reward_model: true or critic_init: policy"))
     return problems
 
 
