@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from posttrain.checkpoint.hf import CheckpointError, save_hf_model
+from posttrain.checkpoint.hf import CheckpointError, folder_tool, save_hf_model
 from posttrain.utils.io import atomic_dir, file_sha256
 
 SOURCE_FILE = "gguf-source.json"
@@ -71,14 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--gguf", type=Path, help="a .gguf file")
     parser.add_argument("--out", type=Path, required=True, help="the HF folder to write")
     args = parser.parse_args(argv)
-    try:
-        gguf = packaged_gguf(args.package) if args.package else args.gguf
-        out = convert(gguf, args.out, args.package)
-    except CheckpointError as e:
-        print(f"gguf: error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(json.loads((out / SOURCE_FILE).read_text())))
-    return 0
+    return folder_tool("gguf", lambda: convert(packaged_gguf(args.package) if args.package else args.gguf, args.out,
+                                               args.package), SOURCE_FILE)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +189,15 @@ def save_hf_model(
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def folder_tool(name: str, write: Callable[[], Path], record: str) -> int:
+    """A command-line tool's end that writes a model folder: the folder's `record` file on stdout, exit 0;
+    a `CheckpointError` as one line on stderr, exit 1."""
+    try:
+        out = write()
+    except CheckpointError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(json.loads((out / record).read_text())))
+    return 0

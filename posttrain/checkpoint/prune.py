@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint.hf import CheckpointError, read_hf_config, read_safetensors, save_hf_model, weight_files
+from posttrain.checkpoint.hf import CheckpointError, folder_tool, read_hf_config, read_safetensors, save_hf_model, weight_files
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir, file_sha256
 
 SOURCE_FILE = "pruned-from.json"
@@ -79,13 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, required=True, help="decoder layers to keep")
     parser.add_argument("--out", type=Path, required=True, help="the HF folder to write")
     args = parser.parse_args(argv)
-    try:
-        out = prune(args.source, args.out, args.layers)
-    except CheckpointError as e:
-        print(f"prune: error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(json.loads((out / SOURCE_FILE).read_text())))
-    return 0
+    return folder_tool("prune", lambda: prune(args.source, args.out, args.layers), SOURCE_FILE)
 
 
 if __name__ == "__main__":
