@@ -43,6 +43,7 @@ def test_the_converted_folder_gives_transformers_logits_and_names_its_source(smo
     assert source["gguf"] == str(gguf) and len(source["sha256"]) == 64
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["vocab_size"] == 49152 and config["tie_word_embeddings"]
+    assert "quantization_config" not in config  # dequantized: no loader should look for the GGUF quantization
     tok = Tokenizer(smollm2)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")  # ChatML, from the GGUF's own template

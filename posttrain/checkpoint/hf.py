@@ -159,7 +159,8 @@ def save_hf_model(
 ) -> None:
     """Write `config.json`, `generation_config.json` and safetensors (sharded with an index above `max_shard_bytes`).
 
-    `state` is a full (unsharded) state dict in HF names; tied output weights are not duplicated.
+    `state` is a full (unsharded) state dict in HF names; tied output weights are not duplicated;
+    the weights are written unquantized, and the config says so (no `quantization_config`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +179,10 @@ def save_hf_model(
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    config = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    # The tensors written are dense: a source's `quantization_config` (a GGUF file's, say) would send
+    # loaders (vLLM) looking for a quantization that is not there.
+    config = {**{k: v for k, v in hf_config.items() if k != "quantization_config"},
+              "torch_dtype": str(dtype).removeprefix("torch.")}
     config["dtype"] = config["torch_dtype"]
     config.setdefault("architectures", [_ARCHITECTURES[config["model_type"]]])
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
