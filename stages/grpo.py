@@ -83,17 +83,16 @@ def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any],
     """PPO: per-token advantages from the critic's values by GAE (whitened over the step with
     `grpo.std_normalize`), put into `batches` in place of the completions' rewards; returns each
     batch's (values, returns), the value loss's targets."""
-    targets, token_advantages = [], []
-    for batch in batches:
-        mask = batch.mask.to(device)
+    targets, token_advantages, masks = [], [], [batch.mask.to(device) for batch in batches]
+    for batch, mask in zip(batches, masks):
         values = critic.values(batch.input_ids.to(device))
         adv, returns = gae(batch.advantages.to(device), values, mask, float(grpo["gamma"]), float(grpo["gae_lambda"]))
         targets.append((values * mask, returns))
         token_advantages.append(adv)
     if grpo["std_normalize"]:
-        flat = torch.cat([a[b.mask.to(device)] for a, b in zip(token_advantages, batches)]).double()
+        flat = torch.cat([adv[mask] for adv, mask in zip(token_advantages, masks)]).double()
         total, total_sq, count = float(flat.sum()), float(flat.square().sum()), flat.numel()
-        token_advantages = [whiten(a, b.mask.to(device), total, total_sq, count) for a, b in zip(token_advantages, batches)]
+        token_advantages = [whiten(adv, mask, total, total_sq, count) for adv, mask in zip(token_advantages, masks)]
     for i, adv in enumerate(token_advantages):
         batches[i] = dataclasses.replace(batches[i], advantages=adv.cpu())
     return targets

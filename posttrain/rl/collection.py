@@ -94,16 +94,15 @@ class _Collection:
                          draw.generate_s, draw.wait_s)
 
     def _without_flat_groups(self, first: _Draw) -> _Draw:
-        size = len(first.groups)
-        kept, flat, draws = [g for g in first.groups if informative(g)], [], [first]
-        flat += [g for g in first.groups if not informative(g)]
+        size, draws, kept = len(first.groups), [first], [g for g in first.groups if informative(g)]
         while len(draws) <= self.resamples and max_over_ranks(float(len(kept) < size), self.device):
             draws.append(self._draw())
             kept += [g for g in draws[-1].groups if informative(g)]
-            flat += [g for g in draws[-1].groups if not informative(g)]
         self.resampled = len(draws) - 1
-        return _Draw((kept + flat)[:size], [g for d in draws for g in d.groups], min(d.version for d in draws),
-                     draws[-1].ticket, sum(d.generate_s for d in draws), sum(d.wait_s for d in draws))
+        sampled = [g for d in draws for g in d.groups]
+        flat = [g for g in sampled if not informative(g)]
+        return _Draw((kept + flat)[:size], sampled, min(d.version for d in draws), draws[-1].ticket,
+                     sum(d.generate_s for d in draws), sum(d.wait_s for d in draws))
 
     def _draw(self) -> _Draw:
         """The rollouts of the next prompt batch (this rank's in sync mode, the whole step's in async)."""

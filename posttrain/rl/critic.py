@@ -17,8 +17,10 @@ from torch import Tensor
 
 from posttrain.losses.ppo import clipped_value_loss
 from posttrain.models import Transformer
+from posttrain.optim import clip_grad_norm_
 from posttrain.rewards.reward_model import RewardModel, load_reward_model
 from posttrain.training.faults import SettingError
+from posttrain.training.setup import max_grad_norm
 
 CRITIC_INITS = ("policy", "reward_model")
 
@@ -37,7 +39,7 @@ class Critic:
     def __init__(self, model: ValueModel, grpo: Mapping[str, Any]):
         self.model = model.train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(grpo["critic_lr"]), weight_decay=0.0)
-        self.clip, self.max_grad_norm = float(grpo["value_clip"]), grpo["max_grad_norm"]
+        self.clip, self.max_grad_norm = float(grpo["value_clip"]), max_grad_norm(grpo)
 
     @torch.no_grad()
     def values(self, input_ids: Tensor) -> Tensor:
@@ -53,9 +55,7 @@ class Critic:
 
     def step(self) -> float:
         """One optimizer step on the accumulated gradients; returns their norm (before clipping)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        limit = float("inf") if self.max_grad_norm is None else float(self.max_grad_norm)
-        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
