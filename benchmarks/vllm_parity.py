@@ -17,6 +17,34 @@ import sys
 from pathlib import Path
 
 
+def greedy_completions(export: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+    """(vLLM's, transformers') greedy completions of `prompts` by the folder `export`, each cut before
+    its first end-of-turn token; both compute in float32 on the folder's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.generation import SamplingParams
+    from posttrain.generation.backend import VLLMBackend
+
+    eos = json.loads((export / "generation_config.json").read_text())["eos_token_id"]
+    eos = set(eos) if isinstance(eos, list) else {eos}
+
+    def until_eos(tokens: list[int]) -> list[int]:
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), list(tokens))
+
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype="float32").eval()
+    reference = []
+    with torch.no_grad():
+        for ids in prompts:
+            ids = torch.tensor([ids])
+            full = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+            reference.append(until_eos(full[0, ids.shape[1]:].tolist()))
+    del hf
+    engine = VLLMBackend(export, dtype="float32", seed=0, max_model_len=max(map(len, prompts)) + max_new_tokens + 8)
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=sorted(eos))
+    return [until_eos(t) for t in engine.generate(prompts, params, seed=0).tokens], reference
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("export", type=Path, help="an export stage output folder")
@@ -26,34 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from posttrain.data.store import load_split
-    from posttrain.generation import SamplingParams
-    from posttrain.generation.backend import VLLMBackend
 
-    config = json.loads((args.export / "generation_config.json").read_text())
-    eos = config["eos_token_id"]
-    eos = set(eos) if isinstance(eos, list) else {eos}
     prompts = [list(map(int, p)) for p in load_split(args.data, "eval")["prompt_ids"][: args.prompts]]
-
-    def until_eos(tokens: list[int]) -> list[int]:
-        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), list(tokens))
-
-    hf = AutoModelForCausalLM.from_pretrained(args.export, dtype="float32").eval()
-    reference = []
-    with torch.no_grad():
-        for ids in prompts:
-            ids = torch.tensor([ids])
-            full = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=args.max_new_tokens)
-            reference.append(until_eos(full[0, ids.shape[1]:].tolist()))
-    del hf
-    engine = VLLMBackend(args.export, dtype="float32", seed=0,
-                         max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=sorted(eos))
-    served = [until_eos(t) for t in engine.generate(prompts, params, seed=0).tokens]
+    served, reference = greedy_completions(args.export, prompts, args.max_new_tokens)
     equal = sum(a == b for a, b in zip(served, reference))
     result = {"export": str(args.export), "prompts": len(prompts), "equal": equal,
               "weights_dtype": json.loads((args.export / "config.json").read_text()).get("torch_dtype"),
