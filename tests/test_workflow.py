@@ -167,6 +167,18 @@ def test_rl_methods_table_plans_one_sft_dpo_and_reward_job():
     assert plan.variants["grpo"].stages["grpo"].resolved["grpo"]["dynamic_sampling"] is False
 
 
+def test_rl_methods_at_three_seeds_share_each_seeds_prefix():
+    overlay = load_yaml(REPO / "config/examples/rl-methods.yaml")
+    plan = build_plan(cfg_with(**{**overlay, "ablations": str(REPO / overlay["ablations"])}))
+    assert len(plan.variants) == 21
+    assert {stage: len(plan.jobs[stage]) for stage in plan.jobs} == {
+        "prepare_data": 3, "sft": 3, "dpo": 3, "reward": 3, "grpo": 21, "distill": 3, "export": 3, "evaluate": 30}
+    groups = {}
+    for name, variant in plan.variants.items():
+        groups.setdefault(name.rsplit("-s", 1)[0], set()).add(variant.stages["grpo"].resolved["seed"])
+    assert groups == {m: {1234, 1, 2} for m in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo")}
+
+
 def test_seed_table_replicates_the_default_pipeline(tmp_path):
     plan = build_plan(cfg_with(ablations=str(REPO / "config/seeds.tsv")))
     assert list(plan.variants) == ["seed1234", "seed1", "seed2"]
