@@ -90,6 +90,11 @@ def summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "posttrain.json").read_text())["metrics"]
 
 
+def parity_reward(completion: str, example: dict[str, Any]) -> float:
+    """A 0/1 verifier a random policy passes about half the time, so some groups of its samples are flat."""
+    return float(len(completion) % 2 == 0)
+
+
 def length_reward(completion: str, example: dict[str, Any]) -> float:
     """A verifier any random policy earns varied rewards from: shorter completions score higher."""
     return 1.0 / (1.0 + len(completion))

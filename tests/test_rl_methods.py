@@ -6,6 +6,7 @@ whitening against float64 loops."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,28 @@ def test_the_grpo_stage_runs_rloo_reinforce_pp_and_gspo_with_clip_higher(tmp_pat
         assert len(records) == 2 and all(np.isfinite(r["loss"]) and 0.0 <= r["clip_frac"] <= 1.0 for r in records)
         trained = weights(out)
         assert any(not torch.equal(trained[k], start[k]) for k in start), name
+
+
+@pytest.mark.slow
+def test_async_collection_runs_ppo_with_dynamic_sampling(tmp_path):
+    """The methods that change collection or training state beyond the loss (PPO's critic, dynamic sampling's
+    extra draws) under async Ray generators: flat groups are drawn again, the critic trains, no batch is staler
+    than the bound."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install posttrain[ray])")
+    from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, step_records
+
+    data, model = random_policy(tmp_path)
+    cfg = grpo_config("async-ppo", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:parity_reward"]}, steps=3,
+                      prompts_per_step=4, group_size=2, max_new_tokens=8, eval_prompts=4, lr=1e-3, critic_lr=1e-3,
+                      mode="async", generators=1, max_staleness=1, advantage="gae", dynamic_sampling=True,
+                      max_resamples=2)
+    out = tmp_path / "grpo"
+    run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).parent))
+    records = step_records(out)
+    assert len(records) == 3 and all(r["value_loss"] > 0 and r["critic_grad_norm"] > 0 for r in records)
+    assert sum(r["resampled_batches"] for r in records) > 0
+    assert all(r["policy_version"] - r["generator_version"] <= 1 for r in records)
 
 
 class ScriptedCollection(_Collection):
