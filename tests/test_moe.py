@@ -87,22 +87,48 @@ def test_a_training_backward_adds_the_load_balancing_loss_with_its_coefficient(t
 @pytest.mark.slow
 def test_sft_trains_a_moe_policy_in_one_and_two_processes(tmp_path):
     """The `tiny-moe` preset through the SFT stage: held-out loss falls, the output is a Qwen3-MoE folder
-    transformers reads with our logits, and FSDP2 over two processes gives one process's losses."""
-    from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses
+    transformers reads with our logits, and FSDP2 over two processes gives one process's losses, with the
+    experts split over them (`parallel.ep: 2`) too."""
+    from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 
     data = prepare_data(tmp_path, {"n_sft": 200})
     sft = {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 1000, "log_every": 1}
     cfg = resolved_config("sft", "moe", sft=sft, model={"policy": "tiny-moe"})
     run_sft(cfg, data, tmp_path / "one")
     run_sft(cfg, data, tmp_path / "two", nproc=2)
+    run_sft(resolved_config("sft", "moe-ep", sft=sft, model={"policy": "tiny-moe"}, parallel={"ep": 2}), data,
+            tmp_path / "ep", nproc=2)
     one, two = train_losses(metrics(tmp_path / "one")), train_losses(metrics(tmp_path / "two"))
     assert len(one) == 6 and one[-1] < one[0]
     # Not dense SFT's 1e-5: routing is discontinuous, so the last-bit difference of FSDP2's gradient reduction can
     # send a near-tied token to another expert (measured: 4.7e-5 at one of six steps, 0 to 1e-6 at the others).
     assert two == pytest.approx(one, rel=2e-4)
+    assert train_losses(metrics(tmp_path / "ep")) == pytest.approx(two, rel=2e-4)
+    ep_weights, dp_weights = weights(tmp_path / "ep"), weights(tmp_path / "two")
+    assert set(ep_weights) == set(dp_weights)  # rank 0 wrote every expert, the other rank's too
+    for key, value in dp_weights.items():
+        assert float((ep_weights[key] - value).norm() / value.norm()) < 1e-3, key
     ours = load_hf_model(tmp_path / "one").eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one").eval()
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     ids = torch.randint(0, ours.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (ours.logits(ours(ids)) - hf(ids).logits).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_expert_parallel_run_killed_after_its_checkpoint_resumes_bitwise(tmp_path):
+    """Each rank checkpoints only the experts it holds (distinct keys per rank in one DCP checkpoint) and reads
+    them back: the resumed run ends with the uninterrupted run's weights."""
+    from sft_testing import prepare_data, resolved_config, run_sft, weights
+
+    data = prepare_data(tmp_path, {"n_sft": 120})
+    sft = {"steps": 4, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1}
+    cfg = resolved_config("sft", "moe-ep-resume", sft=sft, model={"policy": "tiny-moe"}, parallel={"ep": 2})
+    run_sft(cfg, data, tmp_path / "whole", nproc=2)
+    killed = run_sft(cfg, data, tmp_path / "killed", nproc=2, check=False, POSTTRAIN_TEST_SIGKILL_AT_STEP="3")
+    assert killed.returncode != 0 and not (tmp_path / "killed").exists()
+    assert "resuming from" in run_sft(cfg, data, tmp_path / "killed", nproc=2).stdout
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "killed")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

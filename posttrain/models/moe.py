@@ -6,6 +6,10 @@ dropped): softmax over the router logits in float32, the top `num_experts_per_to
 renormalized (`norm_topk_prob`), each expert run on the tokens routed to it, outputs added in
 expert order. The router logits of a forward are kept for the load-balancing loss
 (`load_balancing_loss`), which the training stages add with the config's `router_aux_loss_coef`.
+
+The experts see their tokens as one expert-sorted batch with a count per expert (`Experts.forward`),
+the seam expert parallelism hooks into (`posttrain.parallel.expert_parallel`): it sends each
+expert's rows to the rank holding it and the results back, and the layer never knows.
 """
 
 from __future__ import annotations
@@ -28,11 +32,37 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """A layer's experts, named by their index (`experts.<e>.*`, the checkpoints' names).
+
+    Expert parallelism removes the ones another rank holds; `held` lists what is left, in order.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int):
+        super().__init__()
+        for e in range(num_experts):
+            self.add_module(str(e), Expert(hidden, intermediate))
+        self.num_experts = num_experts
+
+    @property
+    def held(self) -> list[int]:
+        return [int(name) for name in self._modules]
+
+    def forward(self, rows: Tensor, counts: Sequence[int]) -> Tensor:
+        """`rows` sorted by expert, `counts[i]` of them for the i-th held expert; their outputs in that order.
+
+        An expert no token chose still runs (on no rows): its weights get zero gradients, not none,
+        so every data-parallel rank reduces the same gradients (FSDP2).
+        """
+        segments = rows.split(list(counts))
+        return torch.cat([expert(x) for expert, x in zip(self._modules.values(), segments, strict=True)])
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
+        self.experts = Experts(hidden, intermediate, num_experts)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.router_logits: Tensor | None = None
 
@@ -43,13 +73,13 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(flat.dtype)
+        # Every (token, slot) assignment, sorted by expert (stable: a token's rows stay in token order).
+        order = chosen.reshape(-1).argsort(stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.experts.num_experts).tolist()
+        outputs = self.experts(flat[tokens], counts)
         out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            # An expert no token chose still runs (on no rows): its weights get zero gradients, not none,
-            # so every data-parallel rank reduces the same gradients (FSDP2).
-            tokens, slot = torch.where(chosen == e)
-            out.index_add_(0, tokens, expert(flat[tokens]) * weights[tokens, slot, None])
+        out.index_add_(0, tokens, outputs * weights.to(flat.dtype).reshape(-1)[order, None])
         return out.view_as(x)
 
 

@@ -4,12 +4,15 @@ One code path serves `python stage.py` (one process; on CPU no process group at 
 `torchrun --nproc-per-node N stage.py` (gloo on CPU, NCCL on CUDA). The mesh has named
 dimensions `dp_replicate` x `dp_shard` x `tp`: FSDP2 shards over `dp_shard` (HSDP: replicates
 over `dp_replicate`), tensor parallelism splits over `tp`, and ranks of one `tp` group read the
-same data.
+same data. Expert parallelism (`ep` > 1) splits `dp_shard` into `dp_shard_mod_ep` x `ep`, as
+torchtitan does: the `ep` ranks hold different experts and read different data, `dp_shard` stays
+their flattened product for everything else.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -71,31 +74,60 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh | None:
+def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1) -> DeviceMesh | None:
     """A 3-D mesh (`dp_replicate`, `dp_shard`, `tp`); None for one process without a process group.
 
-    `dp_shard` takes whatever `tp * dp_replicate` leaves of the world size.
+    `dp_shard` takes whatever `tp * dp_replicate` leaves of the world size. With `ep` > 1 the mesh is
+    (`dp_replicate`, `dp_shard_mod_ep`, `ep`, `tp`) with `dp_shard` the flattened middle two.
     """
-    if tp < 1 or dp_replicate < 1:
-        raise ValueError(f"parallel.tp ({tp}) and parallel.dp_replicate ({dp_replicate}) must be >= 1")
+    if tp < 1 or dp_replicate < 1 or ep < 1:
+        raise ValueError(f"parallel.tp ({tp}), parallel.dp_replicate ({dp_replicate}) and parallel.ep ({ep}) "
+                         "must be >= 1")
     if info.world_size % (tp * dp_replicate) != 0:
         raise ValueError(
             f"parallel.tp ({tp}) x parallel.dp_replicate ({dp_replicate}) = {tp * dp_replicate} "
             f"does not divide the world size {info.world_size}"
         )
     if not dist.is_initialized():
-        if tp * dp_replicate > 1:
+        if tp * dp_replicate * ep > 1:
             raise ValueError(
-                f"parallel.tp={tp}, parallel.dp_replicate={dp_replicate} need a process group: "
+                f"parallel.tp={tp}, parallel.dp_replicate={dp_replicate}, parallel.ep={ep} need a process group: "
                 "launch with torchrun --nproc-per-node N"
             )
         return None
     dp_shard = info.world_size // (tp * dp_replicate)
-    return init_device_mesh(info.device.type, (dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    if ep == 1:
+        return init_device_mesh(info.device.type, (dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    if dp_shard % ep:
+        raise ValueError(f"parallel.ep ({ep}) must divide the {dp_shard} FSDP shards (world size {info.world_size} "
+                         f"/ (tp {tp} x dp_replicate {dp_replicate}))")
+    mesh = init_device_mesh(info.device.type, (dp_replicate, dp_shard // ep, ep, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def submesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
+    """`mesh[dims]`, also for the flattened `dp_shard` of an expert-parallel mesh.
+
+    torch 2.13 warns that slicing a flattened dimension from the root will go; until it does, the root
+    is the one place every stage finds `dp_shard`, whichever layout built it.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh[dims[0] if len(dims) == 1 else dims]
+
+
+def data_parallel_mesh(mesh: DeviceMesh, shard_dim: str = "dp_shard") -> DeviceMesh:
+    """What FSDP2 shards over: (`dp_replicate`, `shard_dim`) under HSDP, else `shard_dim` alone."""
+    return submesh(mesh, *(("dp_replicate", shard_dim) if mesh_size(mesh, "dp_replicate") > 1 else (shard_dim,)))
 
 
 def mesh_size(mesh: DeviceMesh | None, dim: str) -> int:
-    return 1 if mesh is None else mesh[dim].size()
+    """The size of `dim` (1 without a mesh, or for `ep` on a mesh without expert parallelism)."""
+    if mesh is None or (dim == "ep" and "ep" not in (mesh.mesh_dim_names or ())):
+        return 1
+    return submesh(mesh, dim).size()
 
 
 def data_parallel_rank(mesh: DeviceMesh | None) -> tuple[int, int]:
@@ -105,7 +137,7 @@ def data_parallel_rank(mesh: DeviceMesh | None) -> tuple[int, int]:
     """
     if mesh is None:
         return 0, 1
-    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    rep, shard = submesh(mesh, "dp_replicate"), submesh(mesh, "dp_shard")
     return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
 
 

@@ -47,7 +47,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
-from posttrain.parallel.distributed import mesh_size
+from posttrain.parallel.distributed import data_parallel_mesh, mesh_size
+from posttrain.parallel.expert_parallel import (
+    EXPERT_DP_DIM,
+    absent_expert_keys,
+    apply_expert_parallel,
+    expert_layers,
+    gather_expert_states,
+    uses_expert_parallel,
+)
 
 COMPILE_MODES = (None, "blocks", "model")
 
@@ -140,11 +148,14 @@ def apply_compile(model: nn.Module, mode: str | None) -> None:
         model.compile()
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 `fully_shard` on every block, then the root (embeddings, final norm, lm_head).
 
     `dp_mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP. Mixed precision: bf16
-    parameters for compute, float32 gradient reduction and float32 master weights.
+    parameters for compute, float32 gradient reduction and float32 master weights. Under expert
+    parallelism each block's held experts are sharded first, over `expert_mesh` (the ranks holding
+    the same experts).
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -154,7 +165,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool) -> 
     blocks = list(_blocks(model).values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        reshard = i < len(blocks) - 1
+        if expert_mesh is not None:
+            for _, experts in expert_layers(block):
+                fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
@@ -170,18 +185,22 @@ def parallelize(
     Mixed precision needs FSDP2 and a CUDA device; on CPU it is ignored (float32).
     """
     parallel_cfg = parallel_cfg or {}
-    if mesh is None and (parallel_cfg.get("tp", 1) > 1 or parallel_cfg.get("dp_replicate", 1) > 1):
-        raise ValueError("parallel.tp / parallel.dp_replicate > 1 need a device mesh (launch with torchrun)")
+    if mesh is None and any(parallel_cfg.get(k, 1) > 1 for k in ("tp", "dp_replicate", "ep")):
+        raise ValueError("parallel.tp / parallel.dp_replicate / parallel.ep > 1 need a device mesh (launch with torchrun)")
     if mesh is not None and mesh_size(mesh, "tp") > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    expert_mesh = None
+    if mesh_size(mesh, "ep") > 1:
+        apply_expert_parallel(model, mesh["ep"])
+        expert_mesh = data_parallel_mesh(mesh, EXPERT_DP_DIM)
     apply_activation_checkpointing(model, int(memory_cfg.get("activation_checkpointing", 0) or 0))
     apply_compile(model, memory_cfg.get("compile"))
     if mesh is not None:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh_size(mesh, "dp_replicate") > 1 else mesh["dp_shard"]
+        dp_mesh = data_parallel_mesh(mesh)
         mixed = bool(memory_cfg.get("mixed_precision", False)) and mesh.device_type == "cuda"
         nf4 = _check_nf4_shardable(model, mesh_size(mesh, "dp_shard"))
         if dp_mesh.size() > 1:
-            apply_fsdp(model, dp_mesh, mixed)
+            apply_fsdp(model, dp_mesh, mixed, expert_mesh)
         elif not nf4 and (mixed or not uses_tensor_parallel(mesh)):
             # One data-parallel rank: FSDP2 still gives mixed precision and the DTensor code path.
             # (torch 2.13's one-rank FSDP2 shortcut cannot gather NF4 weights: QLoRA runs unsharded.)
@@ -251,7 +270,7 @@ def _with_tied_head(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> di
 
 def _check_keys(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Every model tensor but the LoRA adapters must come from the checkpoint, and nothing else."""
-    expected = {k for k in model.state_dict() if not k.endswith(LORA_KEYS)}
+    expected = {k for k in model.state_dict() if not k.endswith(LORA_KEYS)} | absent_expert_keys(model)
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise ValueError(
@@ -288,5 +307,6 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {**full, **gather_expert_states(model)} if uses_expert_parallel(model) else full
 

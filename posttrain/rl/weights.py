@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from posttrain.parallel import gather_full_state_dict
+from posttrain.parallel.expert_parallel import gather_expert_states, uses_expert_parallel
 
 
 def policy_weights(model: nn.Module, every_rank: bool) -> dict[str, torch.Tensor]:
@@ -19,4 +20,5 @@ def policy_weights(model: nn.Module, every_rank: bool) -> dict[str, torch.Tensor
     if not every_rank or not dist.is_initialized():
         return gather_full_state_dict(model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().cpu() for k, v in state.items()}
+    experts = gather_expert_states(model, every_rank=True) if uses_expert_parallel(model) else {}
+    return {**{k: v.detach().cpu() for k, v in state.items()}, **experts}

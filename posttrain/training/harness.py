@@ -78,7 +78,8 @@ class StageRun:
             raise SettingError(f"{stage} runs as one process, but was started as {self.info.world_size}: "
                              f"set {stage}.resources to one node, at most one GPU and procs 1")
         self.mesh = None if one_process else build_mesh(
-            self.info, tp=self.cfg["parallel"]["tp"], dp_replicate=self.cfg["parallel"]["dp_replicate"])
+            self.info, tp=self.cfg["parallel"]["tp"], dp_replicate=self.cfg["parallel"]["dp_replicate"],
+            ep=self.cfg["parallel"]["ep"])
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
         seed_everything(self.cfg["seed"])
         self.tokenizer = Tokenizer(Path(self.args.data) / "tokenizer")
