@@ -7,6 +7,11 @@ tensor parallelism, where the vocabulary-sharded logits go straight into `F.cros
 cross-entropy, DPO's sequence log-probs, GRPO's token log-probs and entropies, the KD divergence
 and the evaluate stage's held-out NLL and preference scores all go through one `OutputHead`, so the
 choice cannot drift between stages. (The reward model's head is a scalar score, not this one.)
+
+Under context parallelism (`parallel.cp`) the hidden states hold this rank's positions of each row:
+the head shards the labels (targets, masks) the same way and returns whole-row results, sums
+all-reduced and per-token values gathered back (`posttrain.parallel.context_parallel`), so a stage's
+loss is the same expression with or without it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.logprobs import kept_token_logprobs, sequence_logprobs, token_logprobs_and_entropy
 from posttrain.models import Transformer
 from posttrain.parallel import loss_context, uses_tensor_parallel
+from posttrain.parallel.context_parallel import ContextParallel
 
 
 def plain(x: Tensor) -> Tensor:
@@ -45,6 +51,7 @@ class OutputHead:
     def __init__(self, model: Transformer, mesh: DeviceMesh | None, memory: Mapping[str, Any]):
         self.project = model.lm_head
         self.mesh = mesh
+        self.cp: ContextParallel | None = getattr(model, "context_parallel", None)
         self.tensor_parallel = uses_tensor_parallel(mesh)
         self.chunked = bool(memory["chunked_ce"])
         self.full_logits = self.tensor_parallel or not self.chunked
@@ -60,18 +67,32 @@ class OutputHead:
 
     def summed_cross_entropy(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy summed over the labelled tokens (the caller divides by the step's count)."""
+        if self.cp is not None:
+            return self.cp.sum(self._summed_cross_entropy(hidden, self.cp.shard(labels, IGNORE_INDEX)))
+        return self._summed_cross_entropy(hidden, labels)
+
+    def _summed_cross_entropy(self, hidden: Tensor, labels: Tensor) -> Tensor:
         if self.full_logits:
             return full_cross_entropy(hidden, self.project, labels, reduction="sum")
         return linear_cross_entropy(hidden, self.project, labels, num_chunks=self.num_chunks, reduction="sum")
 
     def kept_token_logprobs(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Log-probs `[N]` of the labelled tokens, row-major (held-out NLL sums them in float64)."""
+        if self.cp is not None:
+            logps, _ = self.token_logprobs_and_entropy(hidden, labels, labels != IGNORE_INDEX)
+            return logps[labels != IGNORE_INDEX]
         if self.full_logits:
             return -plain(self._token_nll(hidden, labels))[(labels != IGNORE_INDEX).flatten()]
         return kept_token_logprobs(hidden, self.project, labels, num_chunks=self.num_chunks)
 
     def sequence_logprobs(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Summed log-prob `[B]` of each row's labelled tokens and their count `[B]`."""
+        if self.cp is not None:
+            sums, _ = self._sequence_logprobs(hidden, self.cp.shard(labels, IGNORE_INDEX))
+            return self.cp.sum(sums), (labels != IGNORE_INDEX).sum(-1)
+        return self._sequence_logprobs(hidden, labels)
+
+    def _sequence_logprobs(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         if self.full_logits:
             token_logps = -plain(self._token_nll(hidden, labels))
             return token_logps.view(labels.shape).sum(-1), (labels != IGNORE_INDEX).sum(-1)
@@ -81,6 +102,14 @@ class OutputHead:
         self, hidden: Tensor, targets: Tensor, mask: Tensor, temperature: float = 1.0
     ) -> tuple[Tensor, Tensor]:
         """Token log-probs and entropies `[B, S]` under logits / `temperature` (as sampled); 0 outside `mask`."""
+        if self.cp is not None:
+            local = self._token_logprobs_and_entropy(hidden, self.cp.shard(targets, IGNORE_INDEX),
+                                                     self.cp.shard(mask, 0), temperature)
+            return tuple(self.cp.gather(t, targets.shape[1]) for t in local)
+        return self._token_logprobs_and_entropy(hidden, targets, mask, temperature)
+
+    def _token_logprobs_and_entropy(self, hidden: Tensor, targets: Tensor, mask: Tensor,
+                                    temperature: float) -> tuple[Tensor, Tensor]:
         if not self.full_logits:
             return token_logprobs_and_entropy(hidden, self.project, targets, num_chunks=self.num_chunks,
                                               temperature=temperature)
@@ -96,6 +125,8 @@ class OutputHead:
         Under tensor parallelism the rows enter replicated and each chunk's logits are gathered
         whole, so one chunk's full-vocabulary logits exist at a time, as without it.
         """
+        if self.cp is not None:
+            raise ValueError("the KD losses do not take parallel.cp yet (the distill stage): set parallel.cp=1")
         if not self.tensor_parallel:
             return self.project
         tp = self.mesh["tp"]

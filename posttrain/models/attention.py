@@ -11,7 +11,10 @@ activation checkpointing recomputes a layer with the kernel its forward used. `a
   there takes a dense `[B, 1, S, S]` mask, and none is built;
 - packed rows on CPU: the dense document mask and SDPA, bitwise what the model always computed
   (pipeline results are compared byte for byte across commits; FlexAttention has no CPU backward);
-- an explicit `attn_mask` or a KV cache (generation): SDPA with that mask, as before.
+- an explicit `attn_mask` or a KV cache (generation): SDPA with that mask, as before;
+- a `GatheredKV` mask (context parallelism, `posttrain.parallel.context_parallel`): this rank's
+  queries over every rank's keys and values, gathered along the sequence, with the mask of the
+  queries' global positions.
 
 `attention_backend` forces a packed-row kernel for tests and benchmarks. Heads are taken from
 the tensors (tensor parallelism shards them), and grouped-query attention is passed to each kernel.
@@ -65,9 +68,22 @@ class VarlenMask:
     max_seqlen: int
 
 
-AttentionMask: TypeAlias = torch.Tensor | BlockMask | VarlenMask | None
+@dataclass(frozen=True)
+class GatheredKV:
+    """Keys and values to gather from a sequence-sharded process group before attending.
+
+    `gather(t)` turns this rank's `[B, H, S_local, D]` into the whole sequence `[B, H, S, D]` in
+    position order (differentiably: the backward returns each rank its rows' gradients);
+    `mask` (`[B, 1, S_local, S]` boolean) is what the local queries may see of it.
+    """
+
+    mask: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+AttentionMask: TypeAlias = torch.Tensor | BlockMask | VarlenMask | GatheredKV | None
 """What every layer gets: a boolean mask for SDPA, a FlexAttention block mask, varlen offsets,
-or None (causal)."""
+gathered keys and values (context parallelism), or None (causal)."""
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -158,6 +174,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     `causal` applies when `mask` is None (SDPA's `is_causal`); decoding from a KV cache passes False.
     """
     gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, GatheredKV):
+        k, v, mask = mask.gather(k), mask.gather(v), mask.mask
     if isinstance(mask, BlockMask):
         return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
     if isinstance(mask, VarlenMask):

@@ -6,7 +6,9 @@ dimensions `dp_replicate` x `dp_shard` x `tp`: FSDP2 shards over `dp_shard` (HSD
 over `dp_replicate`), tensor parallelism splits over `tp`, and ranks of one `tp` group read the
 same data. Expert parallelism (`ep` > 1) splits `dp_shard` into `dp_shard_mod_ep` x `ep`, as
 torchtitan does: the `ep` ranks hold different experts and read different data, `dp_shard` stays
-their flattened product for everything else.
+their flattened product for everything else. Context parallelism (`cp` > 1) adds a `cp` dimension
+before `tp`: its ranks read the same batch and hold different positions of it, and FSDP2 shards
+over `dp_shard_cp`, `dp_shard` and `cp` flattened.
 """
 
 from __future__ import annotations
@@ -74,28 +76,36 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1) -> DeviceMesh | None:
+def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1, cp: int = 1) -> DeviceMesh | None:
     """A 3-D mesh (`dp_replicate`, `dp_shard`, `tp`); None for one process without a process group.
 
-    `dp_shard` takes whatever `tp * dp_replicate` leaves of the world size. With `ep` > 1 the mesh is
-    (`dp_replicate`, `dp_shard_mod_ep`, `ep`, `tp`) with `dp_shard` the flattened middle two.
+    `dp_shard` takes whatever `tp * cp * dp_replicate` leaves of the world size. With `ep` > 1 the mesh
+    is (`dp_replicate`, `dp_shard_mod_ep`, `ep`, `tp`) with `dp_shard` the flattened middle two; with
+    `cp` > 1, (`dp_replicate`, `dp_shard`, `cp`, `tp`) with `dp_shard_cp` the flattened middle two.
     """
-    if tp < 1 or dp_replicate < 1 or ep < 1:
-        raise ValueError(f"parallel.tp ({tp}), parallel.dp_replicate ({dp_replicate}) and parallel.ep ({ep}) "
-                         "must be >= 1")
-    if info.world_size % (tp * dp_replicate) != 0:
+    if min(tp, dp_replicate, ep, cp) < 1:
+        raise ValueError(f"parallel.tp ({tp}), parallel.dp_replicate ({dp_replicate}), parallel.ep ({ep}) and "
+                         f"parallel.cp ({cp}) must be >= 1")
+    if ep > 1 and cp > 1:
+        raise ValueError(f"parallel.ep ({ep}) and parallel.cp ({cp}) do not combine yet: set one of them to 1")
+    if info.world_size % (tp * cp * dp_replicate) != 0:
         raise ValueError(
-            f"parallel.tp ({tp}) x parallel.dp_replicate ({dp_replicate}) = {tp * dp_replicate} "
-            f"does not divide the world size {info.world_size}"
+            f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.dp_replicate ({dp_replicate}) = "
+            f"{tp * cp * dp_replicate} does not divide the world size {info.world_size}"
         )
     if not dist.is_initialized():
-        if tp * dp_replicate * ep > 1:
+        if tp * dp_replicate * ep * cp > 1:
             raise ValueError(
-                f"parallel.tp={tp}, parallel.dp_replicate={dp_replicate}, parallel.ep={ep} need a process group: "
-                "launch with torchrun --nproc-per-node N"
+                f"parallel.tp={tp}, parallel.dp_replicate={dp_replicate}, parallel.ep={ep}, parallel.cp={cp} need a "
+                "process group: launch with torchrun --nproc-per-node N"
             )
         return None
-    dp_shard = info.world_size // (tp * dp_replicate)
+    dp_shard = info.world_size // (tp * cp * dp_replicate)
+    if cp > 1:
+        mesh = init_device_mesh(info.device.type, (dp_replicate, dp_shard, cp, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh
     if ep == 1:
         return init_device_mesh(info.device.type, (dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     if dp_shard % ep:
@@ -118,14 +128,18 @@ def submesh(mesh: DeviceMesh, *dims: str) -> DeviceMesh:
         return mesh[dims[0] if len(dims) == 1 else dims]
 
 
-def data_parallel_mesh(mesh: DeviceMesh, shard_dim: str = "dp_shard") -> DeviceMesh:
-    """What FSDP2 shards over: (`dp_replicate`, `shard_dim`) under HSDP, else `shard_dim` alone."""
+def data_parallel_mesh(mesh: DeviceMesh, shard_dim: str | None = None) -> DeviceMesh:
+    """What FSDP2 shards over: (`dp_replicate`, `shard_dim`) under HSDP, else `shard_dim` alone.
+
+    `shard_dim` defaults to `dp_shard`, or `dp_shard_cp` under context parallelism.
+    """
+    shard_dim = shard_dim or ("dp_shard_cp" if mesh_size(mesh, "cp") > 1 else "dp_shard")
     return submesh(mesh, *(("dp_replicate", shard_dim) if mesh_size(mesh, "dp_replicate") > 1 else (shard_dim,)))
 
 
 def mesh_size(mesh: DeviceMesh | None, dim: str) -> int:
-    """The size of `dim` (1 without a mesh, or for `ep` on a mesh without expert parallelism)."""
-    if mesh is None or (dim == "ep" and "ep" not in (mesh.mesh_dim_names or ())):
+    """The size of `dim` (1 without a mesh, or for `ep` / `cp` on a mesh without them)."""
+    if mesh is None or (dim in ("ep", "cp") and dim not in (mesh.mesh_dim_names or ())):
         return 1
     return submesh(mesh, dim).size()
 

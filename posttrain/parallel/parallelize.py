@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
+from posttrain.parallel.context_parallel import apply_context_parallel
 from posttrain.parallel.distributed import data_parallel_mesh, mesh_size
 from posttrain.parallel.expert_parallel import (
     EXPERT_DP_DIM,
@@ -185,8 +186,10 @@ def parallelize(
     Mixed precision needs FSDP2 and a CUDA device; on CPU it is ignored (float32).
     """
     parallel_cfg = parallel_cfg or {}
-    if mesh is None and any(parallel_cfg.get(k, 1) > 1 for k in ("tp", "dp_replicate", "ep")):
-        raise ValueError("parallel.tp / parallel.dp_replicate / parallel.ep > 1 need a device mesh (launch with torchrun)")
+    if mesh is None and any(parallel_cfg.get(k, 1) > 1 for k in ("tp", "dp_replicate", "ep", "cp")):
+        raise ValueError("parallel.tp / dp_replicate / ep / cp > 1 need a device mesh (launch with torchrun)")
+    if mesh_size(mesh, "cp") > 1:
+        apply_context_parallel(model, mesh["cp"])
     if mesh is not None and mesh_size(mesh, "tp") > 1:
         apply_tensor_parallel(model, mesh["tp"])
     expert_mesh = None
@@ -198,7 +201,7 @@ def parallelize(
     if mesh is not None:
         dp_mesh = data_parallel_mesh(mesh)
         mixed = bool(memory_cfg.get("mixed_precision", False)) and mesh.device_type == "cuda"
-        nf4 = _check_nf4_shardable(model, mesh_size(mesh, "dp_shard"))
+        nf4 = _check_nf4_shardable(model, dp_mesh.size() // mesh_size(mesh, "dp_replicate"))
         if dp_mesh.size() > 1:
             apply_fsdp(model, dp_mesh, mixed, expert_mesh)
         elif not nf4 and (mixed or not uses_tensor_parallel(mesh)):

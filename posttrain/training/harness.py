@@ -79,7 +79,7 @@ class StageRun:
                              f"set {stage}.resources to one node, at most one GPU and procs 1")
         self.mesh = None if one_process else build_mesh(
             self.info, tp=self.cfg["parallel"]["tp"], dp_replicate=self.cfg["parallel"]["dp_replicate"],
-            ep=self.cfg["parallel"]["ep"])
+            ep=self.cfg["parallel"]["ep"], cp=self.cfg["parallel"]["cp"])
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
         seed_everything(self.cfg["seed"])
         self.tokenizer = Tokenizer(Path(self.args.data) / "tokenizer")

@@ -20,14 +20,14 @@ def local_value(x: torch.Tensor) -> torch.Tensor:
 def data_parallel_sum(values: Sequence[float | torch.Tensor], mesh: DeviceMesh | None, device: torch.device) -> list[float]:
     """Sum each value over the data-parallel replicas, in one float64 all-reduce.
 
-    Tensor-parallel peers hold identical values (same batch), so the world sum is divided by the
-    tensor-parallel degree.
+    Tensor- and context-parallel peers hold identical values (same batch; the losses of context
+    parallelism are whole-row), so the world sum is divided by their degrees.
     """
     t = torch.tensor([float(local_value(v)) if isinstance(v, torch.Tensor) else float(v) for v in values],
                      dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-        t /= mesh_size(mesh, "tp")
+        t /= mesh_size(mesh, "tp") * mesh_size(mesh, "cp")
     return t.tolist()
 
 
