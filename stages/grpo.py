@@ -194,9 +194,9 @@ def main() -> None:
         raise SettingError(f"grpo.prompts_per_step ({grpo['prompts_per_step']}) must be divisible by the "
                          f"data-parallel processes ({run.dp_size})")
     ppo = grpo["advantage"] == "gae"
-    if ppo and (run.dp_size > 1 or cfg["parallel"]["tp"] > 1):
+    if ppo and run.info.world_size > 1:
         raise SettingError("grpo.advantage gae (PPO) trains its critic in one process; run the grpo stage with "
-                           "grpo.resources procs 1 and parallel.tp 1")
+                           "grpo.resources procs 1 and parallel.tp, cp and ep 1")
     if ppo and grpo["ratio"] == "sequence":
         raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * int(grpo["group_size"])

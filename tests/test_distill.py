@@ -213,6 +213,7 @@ def test_teacher_samples_train_on_the_teachers_completions_and_resume(on_policy_
 @pytest.mark.parametrize("name,distill,parallel", [
     ("tp", ON_POLICY, {"tp": 2}),  # vocabulary-sharded heads; sampling from the gathered student
     ("fsdp", {"steps": 3}, {}),  # FSDP2 shards of teacher and student
+    ("cp", {"steps": 3}, {"cp": 2}),  # both models hold half of every row
 ])
 def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir, on_policy_run, tmp_path):
     if name == "tp":

@@ -199,13 +199,16 @@ def test_on_policy_pairs_file(sft, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tensor-parallel"])
-def test_two_processes_match_one_process(sft, short_run, tmp_path, tp):
-    """FSDP2 over 2 processes, or tensor parallelism (loss parallel on vocabulary-sharded logits) over 2."""
+@pytest.mark.parametrize("layout", ["fsdp2", "tp", "cp"])
+def test_two_processes_match_one_process(sft, short_run, tmp_path, layout):
+    """FSDP2 over 2 processes, tensor parallelism (loss parallel on vocabulary-sharded logits) over 2, or context
+    parallelism (each rank half of every row, the policy's and the reference's sequence log-probs summed over both)."""
     data, sft_dir = sft
     out = tmp_path / "dpo"
-    cfg = dpo_config(f"dpo-2proc-tp{tp}", **SHORT)
-    cfg["parallel"]["tp"] = tp
+    cfg = dpo_config(f"dpo-2proc-{layout}", **SHORT)
+    if layout != "fsdp2":
+        cfg["parallel"][layout] = 2
+    tp = cfg["parallel"]["tp"]
     run_dpo(cfg, data, sft_dir, out, nproc=2)
     losses = step_values(out)
     assert len(losses) == 3 and losses == pytest.approx(step_values(short_run), rel=1e-5)

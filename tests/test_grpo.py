@@ -147,18 +147,20 @@ def test_ppo_trains_its_critic_and_resumes_both_bitwise(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tensor_parallel_matches_one_process(tmp_path):
-    """TP=2 (vocabulary-sharded logits, sequence-parallel padding), with the KL reference and two inner epochs."""
+@pytest.mark.parametrize("layout", ["tp", "cp"])
+def test_tensor_and_context_parallel_match_one_process(layout, tmp_path):
+    """TP=2 (vocabulary-sharded logits, sequence-parallel padding) or CP=2 (each rank half of every row), with
+    the KL reference and two inner epochs."""
     data, model = random_policy(tmp_path)
     cfg = grpo_config("tp", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=2,
                       prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, kl_coef=0.1, inner_epochs=2,
                       lr=1e-3)
     env = {"PYTHONPATH": str(ROOT / "tests")}
     run_grpo(cfg, data, model, tmp_path / "one", **env)
-    cfg["parallel"]["tp"] = 2
-    run_grpo(cfg, data, model, tmp_path / "tp", nproc=2, **env)
-    one, tp = step_records(tmp_path / "one"), step_records(tmp_path / "tp")
+    cfg["parallel"][layout] = 2
+    run_grpo(cfg, data, model, tmp_path / layout, nproc=2, **env)
+    one, two = step_records(tmp_path / "one"), step_records(tmp_path / layout)
     for key in ("loss", "entropy", "kl", "grad_norm", "reward_mean"):
-        assert [r[key] for r in tp] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
-    a, b = weights(tmp_path / "one"), weights(tmp_path / "tp")
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
+    a, b = weights(tmp_path / "one"), weights(tmp_path / layout)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

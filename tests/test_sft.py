@@ -83,6 +83,7 @@ def one_process(data_dir, tmp_path_factory) -> list[float]:
         # Same global batch of 8 rows: 2 ranks x 2 micro-batches x 2 rows.
         ("fsdp2-accum2", {"grad_accum": 2}, {"tp": 1}),
         ("tp2-loss-parallel", {}, {"tp": 2}),
+        ("cp2-packed-rows", {}, {"cp": 2}),  # both ranks read the 8 rows, each holds half of every row
     ],
 )
 def test_two_processes_match_one(name, sft, parallel, data_dir, one_process, tmp_path):

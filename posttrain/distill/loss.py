@@ -25,18 +25,19 @@ def distill_loss(
 
     `ce_weight` mixes in the cross-entropy against the batch's labels; `distill` is the stage's
     section (`loss`, `jsd_beta`, `temperature`). The teacher's forward runs without gradients.
-    Neither model's `[batch, seq, vocab]` logits exist unless the heads ask for full logits.
+    Neither model's `[batch, seq, vocab]` logits exist unless the heads ask for full logits. Under
+    context parallelism both hold this rank's positions, and the sums are made the whole rows'.
     """
     inputs = {"position_ids": batch["position_ids"], "document_ids": batch["document_ids"]}
     student_hidden = plain(student(batch["input_ids"], **inputs))
     with torch.no_grad():
         teacher_hidden = plain(teacher(batch["input_ids"], **inputs))
-    return kd_loss(
+    loss, metrics = kd_loss(
         student_hidden,
         student_head.rows(),
         teacher_hidden,
         teacher_head.rows(),
-        batch["labels"],
+        student_head.local(batch["labels"]),
         kind=distill["loss"],
         beta=float(distill["jsd_beta"]),
         temperature=float(distill["temperature"]),
@@ -44,3 +45,4 @@ def distill_loss(
         reduction="sum",
         **student_head.chunking(),
     )
+    return student_head.whole(loss), {name: student_head.whole(value) for name, value in metrics.items()}

@@ -65,16 +65,20 @@ class OutputHead:
         """Per-position cross-entropy `[B * S]` through the full logits (0 at ignored positions)."""
         return full_cross_entropy(hidden, self.project, labels, reduction="none")
 
+    def local(self, labels: Tensor) -> Tensor:
+        """The positions of `labels` the hidden states hold (this rank's under context parallelism)."""
+        return self.cp.shard(labels, IGNORE_INDEX) if self.cp is not None else labels
+
+    def whole(self, total: Tensor) -> Tensor:
+        """A sum over the local positions made the whole rows' (all-reduced under context parallelism)."""
+        return self.cp.sum(total) if self.cp is not None else total
+
     def summed_cross_entropy(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy summed over the labelled tokens (the caller divides by the step's count)."""
-        if self.cp is not None:
-            return self.cp.sum(self._summed_cross_entropy(hidden, self.cp.shard(labels, IGNORE_INDEX)))
-        return self._summed_cross_entropy(hidden, labels)
-
-    def _summed_cross_entropy(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        labels = self.local(labels)
         if self.full_logits:
-            return full_cross_entropy(hidden, self.project, labels, reduction="sum")
-        return linear_cross_entropy(hidden, self.project, labels, num_chunks=self.num_chunks, reduction="sum")
+            return self.whole(full_cross_entropy(hidden, self.project, labels, reduction="sum"))
+        return self.whole(linear_cross_entropy(hidden, self.project, labels, num_chunks=self.num_chunks, reduction="sum"))
 
     def kept_token_logprobs(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Log-probs `[N]` of the labelled tokens, row-major (held-out NLL sums them in float64)."""
@@ -87,10 +91,8 @@ class OutputHead:
 
     def sequence_logprobs(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Summed log-prob `[B]` of each row's labelled tokens and their count `[B]`."""
-        if self.cp is not None:
-            sums, _ = self._sequence_logprobs(hidden, self.cp.shard(labels, IGNORE_INDEX))
-            return self.cp.sum(sums), (labels != IGNORE_INDEX).sum(-1)
-        return self._sequence_logprobs(hidden, labels)
+        sums, counts = self._sequence_logprobs(hidden, self.local(labels))
+        return self.whole(sums), (labels != IGNORE_INDEX).sum(-1)
 
     def _sequence_logprobs(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         if self.full_logits:
@@ -125,8 +127,6 @@ class OutputHead:
         Under tensor parallelism the rows enter replicated and each chunk's logits are gathered
         whole, so one chunk's full-vocabulary logits exist at a time, as without it.
         """
-        if self.cp is not None:
-            raise ValueError("the KD losses do not take parallel.cp yet (the distill stage): set parallel.cp=1")
         if not self.tensor_parallel:
             return self.project
         tp = self.mesh["tp"]
