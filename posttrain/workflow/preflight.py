@@ -4,7 +4,8 @@ A stage enforces its rules when it starts; on a cluster that is after the queue.
 config can break are checked here, for every variant, with the config key to change:
 
 - processes and batch sizes: data-parallel processes (nodes x GPUs or CPU processes, over
-  `parallel.tp`) divide each batch after accumulation; `parallel.tp x dp_replicate` divides them;
+  `parallel.tp x cp`) divide each batch after accumulation; `parallel.tp x cp x dp_replicate`
+  divides them; `parallel.ep` divides the FSDP shards and does not combine with `cp`;
 - optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
   one micro-batch;
 - tensor parallelism without LoRA/QLoRA adapters;
@@ -50,8 +51,12 @@ def generator_node_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(config key, what is wrong) for each rule a training stage would refuse at start."""
-    problems = []
+    problems: list[tuple[str, str]] = []
     tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
+    cp, ep = int(cfg["parallel"]["cp"]), int(cfg["parallel"]["ep"])
+    if cp > 1 and ep > 1:
+        problems.append(("parallel.ep", f"{ep} with parallel.cp {cp}: expert and context parallelism do not "
+                         "combine yet; set one of them to 1"))
     in_backward = bool(cfg["memory"]["optimizer_in_backward"])
     problems += generator_node_problems(cfg)
     if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
@@ -65,11 +70,15 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         world = _processes(section["resources"])
         if world < 1:
             continue  # said by generator_node_problems
-        if world % (tp * replicate):
-            problems.append((f"{stage}.resources", f"{world} processes, which parallel.tp ({tp}) x "
-                             f"parallel.dp_replicate ({replicate}) does not divide"))
+        if world % (tp * cp * replicate):
+            problems.append((f"{stage}.resources", f"{world} processes, which parallel.tp ({tp}) x parallel.cp ({cp}) "
+                             f"x parallel.dp_replicate ({replicate}) does not divide"))
             continue
-        dp = world // tp
+        if (world // (tp * cp * replicate)) % ep:
+            problems.append((f"{stage}.resources", f"{world} processes: parallel.ep ({ep}) does not divide their "
+                             f"{world // (tp * replicate)} FSDP shards"))
+            continue
+        dp = world // (tp * cp)
         if stage == "grpo" and section["advantage"] == "gae":
             problems += ppo_problems(cfg, world)
         if stage == "grpo":
