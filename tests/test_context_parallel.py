@@ -74,23 +74,30 @@ def run(model: Transformer, head: OutputHead, full_grads) -> dict[str, dict]:
     return result
 
 
-def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+LAYOUTS = {"cp2": (2, {"cp": 2}), "tp2-cp2": (4, {"cp": 2, "tp": 2})}  # name -> (processes, parallel)
+
+
+def worker(rank: int, world_size: int, port: int, out_dir: str, layout: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from posttrain.parallel import build_mesh, destroy, init_distributed, load_full_state_dict, materialize, parallelize
+    from posttrain.parallel import (build_mesh, destroy, init_distributed, load_full_state_dict, loss_context,
+                                    materialize, parallelize)
+    from posttrain.losses.head import plain
 
+    parallel = LAYOUTS[layout][1]
     info = init_distributed()
-    mesh = build_mesh(info, cp=2)
+    mesh = build_mesh(info, tp=parallel.get("tp", 1), cp=parallel["cp"])
     with torch.device("meta"):
         model = Transformer(TINY)
-    parallelize(model, mesh, {}, {"cp": 2})
+    parallelize(model, mesh, {}, parallel)
     materialize(model, info.device, init=False)
     load_full_state_dict(model, reference_weights() if info.is_main else {}, broadcast_from_rank0=True)
-    assert model(inputs()["ids"]).shape[1] == 10  # this rank's 10 of the 19 positions, padded to 20
-    result = run(model, OutputHead(model, mesh, MEMORY), lambda g: g.full_tensor())
+    assert plain(model(inputs()["ids"])).shape[1] == 10  # this rank's 10 of the 19 positions, padded to 20
+    with loss_context(mesh):  # loss parallel under TP
+        result = run(model, OutputHead(model, mesh, MEMORY), lambda g: g.full_tensor())
     if info.is_main:
-        Path(out_dir, "cp.json").write_text(json.dumps(result))
+        Path(out_dir, f"{layout}.json").write_text(json.dumps(result))
     destroy()
 
 
@@ -102,12 +109,15 @@ def free_port() -> int:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_context_parallel_losses_and_gradients_match_one_process(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_context_parallel_losses_and_gradients_match_one_process(layout, tmp_path):
+    """cp 2 over 2 processes, and cp 2 with tensor parallelism 2 over 4 (one mesh: FSDP2 has one shard)."""
     model = Transformer(TINY)
     model.load_state_dict(reference_weights())
     reference = run(model, OutputHead(model, None, MEMORY), lambda g: g)
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    got = json.loads((tmp_path / "cp.json").read_text())
+    processes = LAYOUTS[layout][0]
+    mp.spawn(worker, args=(processes, free_port(), str(tmp_path), layout), nprocs=processes, join=True)
+    got = json.loads((tmp_path / f"{layout}.json").read_text())
     assert set(got) == set(reference) == {f"{n}-{k}" for n in ("sft", "dpo", "grpo") for k in ("packed", "causal")}
     assert reference["sft-packed"]["loss"] != pytest.approx(reference["sft-causal"]["loss"], rel=1e-3)
     for case, ref in reference.items():

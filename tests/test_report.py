@@ -241,9 +241,12 @@ def test_a_named_block_takes_the_table_with_each_stages_wall_time(out, tmp_path)
     assert f"{results[0]}\nkept\n{results[1]}" in text
     rows = [[cell.strip() for cell in line.split("|")[1:4]]
             for line in text[text.index("Wall time"):].splitlines() if line.startswith("| ")]
-    assert [row[0] for row in rows] == ["stage", "prepare_data", "sft", "dpo", "reward", "grpo", "distill", "eval sft",
-                                        "eval dpo", "eval grpo", "eval distill", "total per variant"]
-    assert rows[-1][1:] == ["4", "0.8 ± 0.0"]  # 4 variants, each 10 outputs of 5 s
+    # A stage whose outputs no two variant groups share gets a row per group, as in the results table.
+    beta = 'distill.teacher_stage="dpo";dpo.beta=0.2'
+    split = [f"{stage}, {group}" for stage in ("dpo", "reward", "grpo", "distill") for group in ("default", beta)]
+    evals = [f"eval {stage}, {group}" for stage in ("dpo", "grpo", "distill") for group in ("default", beta)]
+    assert [row[0] for row in rows] == ["stage", "prepare_data", "sft", *split, "eval sft", *evals, "total per variant"]
+    assert rows[rows.index([f"dpo, {beta}", "1", "0.1"])] and rows[-1][1:] == ["4", "0.8 ± 0.0"]  # 4 variants, 10 outputs of 5 s each
 
 
 def test_stage_times_list_each_output_once_in_pipeline_order(out, plan):

@@ -147,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     block = markdown_table(summary)
     if args.times:
         times = pd.read_csv(args.report / "stage_times.tsv", sep="\t", dtype={"key": str, "variants": str})
-        block += f"\n\nWall time (minutes; several outputs: mean ± std):\n\n{markdown_times(times)}"
+        groups = dict(zip(summary["variant"], summary["group"]))
+        block += f"\n\nWall time (minutes; several outputs: mean ± std):\n\n{markdown_times(times, groups)}"
     block += f"\n\n{provenance_line(summary, machine, command)}"
     print(block)
     if args.update:

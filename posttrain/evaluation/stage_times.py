@@ -47,14 +47,24 @@ def stage_time_table(variants: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame([{**r, "variants": ",".join(r["variants"])} for r in ordered], columns=COLUMNS)
 
 
-def markdown_times(times: pd.DataFrame) -> str:
-    """Minutes per stage, mean ± std over its distinct outputs (one per seed), and the total per variant."""
+def markdown_times(times: pd.DataFrame, groups: Mapping[str, str] | None = None) -> str:
+    """Minutes per stage, mean ± std over its distinct outputs (one per seed), and the total per variant.
+
+    With `groups` (variant -> variant group, as `summary.tsv` has them), a stage whose outputs are
+    not shared across groups gets one row per group, `<stage>, <group>`, as in the results table.
+    """
     minutes = times.assign(minutes=times["wall_time_s"] / 60)
-    per_stage = minutes.groupby("stage", sort=False)["minutes"].agg(["mean", "std", "count"])
+    minutes["row"] = minutes["stage"]
+    if groups:
+        owners = minutes["variants"].str.split(",").map(lambda names: {groups.get(n, n) for n in names})
+        for stage, outputs in owners.groupby(minutes["stage"], sort=False):
+            if all(len(o) == 1 for o in outputs) and len(set().union(*outputs)) > 1:
+                minutes.loc[outputs.index, "row"] = [f"{stage}, {next(iter(o))}" for o in outputs]
+    per_stage = minutes.groupby("row", sort=False)["minutes"].agg(["mean", "std", "count"])
     per_variant = minutes.assign(variants=minutes["variants"].str.split(",")).explode("variants")
     totals = per_variant.groupby("variants")["minutes"].sum()
-    lines = [{"stage": stage, "outputs": int(r["count"]), "minutes": _minutes(r["mean"], r["std"], int(r["count"]))}
-             for stage, r in per_stage.iterrows()]
+    lines = [{"stage": row, "outputs": int(r["count"]), "minutes": _minutes(r["mean"], r["std"], int(r["count"]))}
+             for row, r in per_stage.iterrows()]
     lines.append({"stage": "total per variant", "outputs": len(totals),
                   "minutes": _minutes(totals.mean(), totals.std(), len(totals))})
     return pd.DataFrame(lines).to_markdown(index=False, tablefmt="pipe", colalign=["left", "right", "right"],

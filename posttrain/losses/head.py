@@ -71,7 +71,7 @@ class OutputHead:
 
     def whole(self, total: Tensor) -> Tensor:
         """A sum over the local positions made the whole rows' (all-reduced under context parallelism)."""
-        return self.cp.sum(total) if self.cp is not None else total
+        return self.cp.sum(plain(total)) if self.cp is not None else total
 
     def summed_cross_entropy(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy summed over the labelled tokens (the caller divides by the step's count)."""
