@@ -25,8 +25,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,8 +72,8 @@ class ContextParallel:
         return whole.index_select(dim, order)
 
     def sum(self, x: Tensor) -> Tensor:
-        """`x` summed over the group, differentiably."""
-        return dist_nn.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        """`x` summed over the group, differentiably (each rank's gradient the sum of the group's)."""
+        return all_gather_tensor_autograd(x.unsqueeze(0).contiguous(), gather_dim=0, group=self.group).sum(0)
 
     def model_inputs(self, input_ids: Tensor, position_ids: Tensor | None,
                      document_ids: Tensor | None) -> dict[str, Any]:
