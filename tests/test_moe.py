@@ -132,3 +132,22 @@ def test_an_expert_parallel_run_killed_after_its_checkpoint_resumes_bitwise(tmp_
     assert "resuming from" in run_sft(cfg, data, tmp_path / "killed", nproc=2).stdout
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "killed")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_memory_features_under_expert_parallelism_match_data_parallelism(tmp_path):
+    """Activation checkpointing and the optimizer stepping in backward with the experts split over two ranks:
+    the losses of plain data parallelism with the same memory settings."""
+    from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses
+
+    data = prepare_data(tmp_path, {"n_sft": 120})
+    sft = {"steps": 4, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 1000, "log_every": 1,
+           "max_grad_norm": None}
+    memory = {"activation_checkpointing": 1, "optimizer_in_backward": True}
+    for name, parallel in (("dp", {}), ("ep", {"ep": 2})):
+        cfg = resolved_config("sft", f"moe-mem-{name}", sft=sft, model={"policy": "tiny-moe"}, memory=memory,
+                              parallel=parallel)
+        run_sft(cfg, data, tmp_path / name, nproc=2)
+    dp, ep = train_losses(metrics(tmp_path / "dp")), train_losses(metrics(tmp_path / "ep"))
+    assert len(dp) == 4 and ep == pytest.approx(dp, rel=2e-4)  # routing's tolerance, as above

@@ -97,6 +97,19 @@ def test_two_processes_match_one(name, sft, parallel, data_dir, one_process, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_memory_features_under_context_parallelism_match_one_process(data_dir, tmp_path):
+    """Activation checkpointing and the optimizer stepping in backward (no clipping) with each row split over
+    two ranks: the losses of one process with the same memory settings."""
+    memory = {"activation_checkpointing": 1, "optimizer_in_backward": True}
+    sft = {"steps": 4, "checkpoint_every": 1000, "max_grad_norm": None}
+    run_sft(_config("mem-one", sft, memory=memory), data_dir, tmp_path / "one")
+    run_sft(_config("mem-cp", sft, memory=memory, parallel={"cp": 2}), data_dir, tmp_path / "cp", nproc=2)
+    one, cp = train_losses(metrics(tmp_path / "one")), train_losses(metrics(tmp_path / "cp"))
+    assert len(one) == 4 and cp == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_export_merges_adapters_and_writes_peft(method, data_dir, tmp_path):
     out = tmp_path / "sft"
