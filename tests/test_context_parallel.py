@@ -10,13 +10,12 @@ over a gathered, masked key set; sums split over ranks): 1e-5 relative on losses
 """
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from spawn_testing import join_loopback_group, spawn
 
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
@@ -80,9 +79,7 @@ LAYOUTS = {"cp2": (2, {"cp": 2}, 0.01), "tp2-cp2": (4, {"cp": 2, "tp": 2}, 0.0)}
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: str, layout: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_loopback_group(rank, world_size, port)
     from posttrain.parallel import (build_mesh, destroy, init_distributed, load_full_state_dict, loss_context,
                                     materialize, parallelize)
     from posttrain.losses.head import plain
@@ -103,12 +100,6 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, layout: str) -> 
     destroy()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -118,7 +109,7 @@ def test_context_parallel_losses_and_gradients_match_one_process(layout, tmp_pat
     model.load_state_dict(reference_weights())
     processes, _, bonus = LAYOUTS[layout]
     reference = run(model, OutputHead(model, None, MEMORY), lambda g: g, bonus)
-    mp.spawn(worker, args=(processes, free_port(), str(tmp_path), layout), nprocs=processes, join=True)
+    spawn(worker, processes, str(tmp_path), layout)
     got = json.loads((tmp_path / f"{layout}.json").read_text())
     assert set(got) == set(reference) == {f"{n}-{k}" for n in ("sft", "dpo", "grpo") for k in ("packed", "causal")}
     assert reference["sft-packed"]["loss"] != pytest.approx(reference["sft-causal"]["loss"], rel=1e-3)

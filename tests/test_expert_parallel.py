@@ -11,11 +11,11 @@ discrete, so a larger gap would mean a token went to another expert), and the ga
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from spawn_testing import join_loopback_group, spawn
 
 from posttrain.losses.ce import linear_cross_entropy
 from posttrain.models import Transformer
@@ -66,9 +66,7 @@ def train(model: torch.nn.Module, rows: slice, memory: dict) -> tuple[list[float
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: str, name: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_loopback_group(rank, world_size, port)
     from posttrain.parallel import (build_mesh, data_parallel_rank, destroy, gather_full_state_dict, init_distributed,
                                     load_full_state_dict, materialize, parallelize)
 
@@ -91,12 +89,6 @@ def worker(rank: int, world_size: int, port: int, out_dir: str, name: str) -> No
     destroy()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_expert_parallel_training_matches_one_process(tmp_path):
@@ -106,7 +98,7 @@ def test_expert_parallel_training_matches_one_process(tmp_path):
     ref_state = model.state_dict()
     assert ref_losses[-1] < ref_losses[0] - 0.1
     for name, (procs, _, parallel) in LAYOUTS.items():
-        mp.spawn(worker, args=(procs, free_port(), str(tmp_path), name), nprocs=procs, join=True)
+        spawn(worker, procs, str(tmp_path), name)
         ranks = [json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in range(procs)]
         share = MOE["num_experts"] // parallel["ep"]
         for r, got in enumerate(ranks):

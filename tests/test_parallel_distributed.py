@@ -11,11 +11,11 @@ and the gathered final weights (merged, for QLoRA) within float32 noise.
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from spawn_testing import join_loopback_group, spawn
 
 from posttrain.losses.ce import full_cross_entropy, linear_cross_entropy
 from posttrain.models import Transformer
@@ -78,11 +78,7 @@ def train_single_process(qlora: bool) -> tuple[list[float], list[float], dict[st
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    join_loopback_group(rank, world_size, port)
     from posttrain.parallel import (
         all_reduce_mean, build_mesh, data_parallel_rank, destroy, gather_full_state_dict,
         init_distributed, load_full_state_dict, loss_context, materialize, parallelize, uses_tensor_parallel,
@@ -132,17 +128,11 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     destroy()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_hsdp_tp_qlora_match_single_process(tmp_path):
     references = {qlora: train_single_process(qlora) for qlora in (False, True)}
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(worker, 2, str(tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(LAYOUTS)
     for name, got in results.items():
