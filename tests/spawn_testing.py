@@ -27,3 +27,13 @@ def join_loopback_group(rank: int, world_size: int, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+
+
+def assert_same_weights(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], label: str,
+                        rel: float = 1e-4) -> None:
+    """Every tensor of `reference`, and no other, within `rel` relative L2 of it: Adam's normalized step
+    turns float noise in tiny gradients into lr-sized element differences, so tensors compare whole."""
+    assert set(state) == set(reference), label
+    for key, value in reference.items():
+        diff = float((state[key] - value).norm() / value.norm())
+        assert diff < rel, f"{label}: {key} differs by {diff:.2e} (relative L2)"

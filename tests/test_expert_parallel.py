@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from spawn_testing import join_loopback_group, spawn
+from spawn_testing import assert_same_weights, join_loopback_group, spawn
 
 from posttrain.losses.ce import linear_cross_entropy
 from posttrain.models import Transformer
@@ -106,11 +106,7 @@ def test_expert_parallel_training_matches_one_process(tmp_path):
             assert got["held"] == [list(range(first, first + share))] * MOE["num_hidden_layers"], (name, r)
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), name
             assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), name
-        state = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-        assert set(state) == set(ref_state), name
-        for key, value in ref_state.items():
-            rel = float((state[key] - value).norm() / value.norm())
-            assert rel < 1e-4, f"{name}: {key} differs by {rel:.2e} (relative L2)"
+        assert_same_weights(torch.load(tmp_path / f"{name}.pt", weights_only=True), ref_state, name)
 
 
 def test_expert_parallel_refusals():
