@@ -67,6 +67,14 @@ def test_remote_code_refused(folder):
         load_hf_model(folder)
 
 
+def test_sliding_window_attention_refused(folder):
+    """The decoder attends to the whole causal context; a Qwen2 config asking for a window would train another model."""
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    with pytest.raises(CheckpointError, match="use_sliding_window is not supported"):
+        load_hf_model(folder)
+
+
 def test_pickle_checkpoints_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CFG))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")

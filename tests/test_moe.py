@@ -1,5 +1,6 @@
-"""Qwen3-MoE: logits and the load-balancing loss equal transformers' `Qwen3MoeForCausalLM` on random configs
-(top-k with and without renormalization, dense layers between sparse ones), HF folders round-trip,
+"""Qwen3-MoE and Qwen2-MoE: logits and the load-balancing loss equal transformers' `Qwen3MoeForCausalLM` and
+`Qwen2MoeForCausalLM` on random configs (top-k with and without renormalization, dense layers between sparse
+ones, Qwen2-MoE's gated shared expert), HF folders round-trip,
 and a training step adds the loss with the config's coefficient."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ CONFIGS = {
     "top2-unnormalized": BASE,
     "top3-normalized-sparse-every-second": dict(BASE, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2),
     "dense-layer-0-tied": dict(BASE, mlp_only_layers=[0], tie_word_embeddings=True),
+    # Qwen2-MoE: q/k/v biases, no q/k norms, a sigmoid-gated shared expert beside the routed ones.
+    "qwen2-moe-shared-expert": dict(BASE, model_type="qwen2_moe", shared_expert_intermediate_size=40),
 }
 TOLERANCE = 1e-5  # float32; experts add in the same order, matmuls are blocked differently (fused gate/up in transformers)
 

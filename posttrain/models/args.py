@@ -1,8 +1,8 @@
 """Read the architecture hyper-parameters we need out of a Hugging Face `config.json` dict.
 
-One decoder covers Llama 3.x, Qwen2.5, Qwen3 and Qwen3-MoE; the family only changes a few switches
-(q/k/v bias, q/k RMSNorm, rope scaling, which layers route tokens to experts), so the config is
-normalized here once.
+One decoder covers Llama 3.x, Qwen2.5, Qwen3, Qwen3-MoE and Qwen2-MoE; the family only changes a few
+switches (q/k/v bias, q/k RMSNorm, rope scaling, which layers route tokens to experts, a gated shared
+expert), so the config is normalized here once.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 
 
 class ModelConfigError(ValueError):
@@ -37,13 +37,14 @@ class ModelArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     initializer_range: float
-    # Mixture of experts (Qwen3-MoE); 0 experts: every layer dense.
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE); 0 experts: every layer dense.
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelArgs":
@@ -58,6 +59,9 @@ class ModelArgs:
             raise ModelConfigError(
                 f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if hf.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window is not supported (every layer attends to the "
+                                   "whole causal context)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         try:
@@ -90,9 +94,11 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            # Qwen2 always biases q/k/v and never o; Llama and Qwen3 follow attention_bias for all four.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            # Qwen2 always biases q/k/v (Qwen2-MoE: its qkv_bias) and never o; Llama and Qwen3 follow
+            # attention_bias for all four.
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+            or attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             **_moe_args(hf),
@@ -103,7 +109,7 @@ class ModelArgs:
 
 
 def _moe_args(hf: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's routing settings; which layers are sparse follows transformers' rule."""
+    """Qwen3-MoE's and Qwen2-MoE's routing settings; which layers are sparse follows transformers' rule."""
     experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0)
     if experts == 0:
         return {}
@@ -116,4 +122,5 @@ def _moe_args(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size", 0) or 0),
     }

@@ -1,10 +1,11 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE): top-k token routing over dense SwiGLU experts.
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): top-k token routing over dense SwiGLU experts.
 
 Parameter names are the checkpoints' (`mlp.gate.weight`, `mlp.experts.<e>.{gate,up,down}_proj.weight`),
 so HF folders load as they are. Routing is token choice without capacity limits (no token is
 dropped): softmax over the router logits in float32, the top `num_experts_per_tok`, optionally
 renormalized (`norm_topk_prob`), each expert run on the tokens routed to it, outputs added in
-expert order. The router logits of a forward are kept for the load-balancing loss
+expert order. Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate
+(`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`). The router logits of a forward are kept for the load-balancing loss
 (`load_balancing_loss`), which the training stages add with the config's `router_aux_loss_coef`.
 
 The experts see their tokens as one expert-sorted batch with a count per expert (`Experts.forward`),
@@ -59,10 +60,14 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_intermediate: int = 0):
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(hidden, intermediate, num_experts)
+        if shared_intermediate:
+            self.shared_expert = Expert(hidden, shared_intermediate)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.router_logits: Tensor | None = None
 
@@ -80,6 +85,8 @@ class SparseMoE(nn.Module):
         outputs = self.experts(flat[tokens], counts)
         out = torch.zeros_like(flat)
         out.index_add_(0, tokens, outputs * weights.to(flat.dtype).reshape(-1)[order, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
 

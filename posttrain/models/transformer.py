@@ -155,7 +155,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = (SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.experts_per_token,
-                              args.norm_topk_prob) if layer_idx in args.sparse_layers else MLP(args))
+                              args.norm_topk_prob, args.shared_expert_intermediate_size)
+                    if layer_idx in args.sparse_layers else MLP(args))
 
     def forward(self, x, rope, mask, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
