@@ -22,7 +22,8 @@ Each step:
    AdamW at `grpo.critic_lr`) values every completion token, GAE (`grpo.gamma`, `grpo.gae_lambda`)
    spreads the completion's reward over its tokens, whitened over the step (`grpo.std_normalize`),
    and each pass also takes one step on the clipped value loss (`grpo.value_clip`). The critic is
-   checkpointed and resumed with the policy. PPO runs in one process.
+   checkpointed and resumed with the policy; under data parallelism it is sharded like the policy
+   (PPO refuses tp, cp and ep).
 3. `grpo.inner_epochs` passes over the rollouts, `grpo.micro_batch_size` completions per forward,
    one optimizer step per pass, PPO-clipped at `grpo.clip_eps`, token-level (DAPO) or
    per-sequence normalization (`grpo.token_level`), optional k3 KL to the frozen starting model
@@ -78,9 +79,9 @@ INPUTS = {
 GENERATION_BATCH = 256  # sequences per native generate() call
 
 
-def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any],
+def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any], mesh: DeviceMesh | None,
                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """PPO: per-token advantages from the critic's values by GAE (whitened over the step with
+    """PPO: per-token advantages from the critic's values by GAE (whitened over the step's tokens on every rank with
     `grpo.std_normalize`), put into `batches` in place of the completions' rewards; returns each
     batch's (values, returns), the value loss's targets."""
     targets, token_advantages, masks = [], [], [batch.mask.to(device) for batch in batches]
@@ -91,7 +92,7 @@ def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any],
         token_advantages.append(adv)
     if grpo["std_normalize"]:
         flat = torch.cat([adv[mask] for adv, mask in zip(token_advantages, masks)]).double()
-        total, total_sq, count = float(flat.sum()), float(flat.square().sum()), flat.numel()
+        total, total_sq, count = data_parallel_sum([flat.sum(), flat.square().sum(), flat.numel()], mesh, device)
         token_advantages = [whiten(adv, mask, total, total_sq, count) for adv, mask in zip(token_advantages, masks)]
     for i, adv in enumerate(token_advantages):
         batches[i] = dataclasses.replace(batches[i], advantages=adv.cpu())
@@ -115,7 +116,7 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
         adv = torch.tensor([r for g in rollouts.groups for r in g.rewards], dtype=torch.float32)
     batches = micro_batches(rollouts.groups, adv, int(grpo["micro_batch_size"]), pad_id,
                             length_multiple=mesh_size(mesh, "tp"))
-    value_targets = ppo_targets(critic, batches, grpo, device) if critic is not None else []
+    value_targets = ppo_targets(critic, batches, grpo, mesh, device) if critic is not None else []
     step_tokens, step_rows = data_parallel_sum(
         [sum(int(b.mask.sum()) for b in batches), sum(len(b.advantages) for b in batches)], mesh, device)
     # GSPO's loss is a mean over sequences; token-level normalization is a token ratio's
@@ -180,10 +181,11 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
     }
     if reference is not None:
         record["kl"] = kl_sum / max(step_tokens * passes, 1)
-    if critic is not None:  # one process: these sums are the step's
-        record.update(value_loss=value_sums["value_loss"] / passes, critic_grad_norm=critic_norm,
-                      value_mean=value_sums["value_mean"] / max(step_tokens * passes, 1),
-                      value_clip_frac=value_sums["value_clip_frac"] / max(step_tokens * passes, 1))
+    if critic is not None:
+        value_loss, value_mean, value_clip = data_parallel_sum(list(value_sums.values()), mesh, device)
+        record.update(value_loss=value_loss / passes, critic_grad_norm=critic_norm,
+                      value_mean=value_mean / max(step_tokens * passes, 1),
+                      value_clip_frac=value_clip / max(step_tokens * passes, 1))
     return record
 
 
@@ -194,9 +196,9 @@ def main() -> None:
         raise SettingError(f"grpo.prompts_per_step ({grpo['prompts_per_step']}) must be divisible by the "
                          f"data-parallel processes ({run.dp_size})")
     ppo = grpo["advantage"] == "gae"
-    if ppo and run.info.world_size > 1:
-        raise SettingError("grpo.advantage gae (PPO) trains its critic in one process; run the grpo stage with "
-                           "grpo.resources procs 1 and parallel.tp, cp and ep 1")
+    if ppo and any(cfg["parallel"][k] > 1 for k in ("tp", "cp", "ep")):
+        raise SettingError("grpo.advantage gae (PPO) shards its critic with data parallelism only: set parallel.tp, "
+                           "parallel.cp and parallel.ep to 1")
     if ppo and grpo["ratio"] == "sequence":
         raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * int(grpo["group_size"])
@@ -225,7 +227,7 @@ def main() -> None:
     held_out = eval_prompts(args.data, int(grpo["eval_prompts"]), run.dp_rank, run.dp_size)
 
     critic = build_critic(grpo, args.model, args.reward, cfg["reward"]["reward_model"], int(cfg["seed"]),
-                          run.device) if ppo else None
+                          run.device, run.mesh) if ppo else None
     run.resume(model, optimization, collection, extra={"critic": (critic.model, critic.optimizer)} if critic else None)
     history: list[dict[str, Any]] = []
     with collection:

@@ -122,21 +122,23 @@ def test_dynamic_sampling_draws_again_and_resumes_to_the_same_weights(policy, tm
 
 
 @pytest.mark.slow
-def test_ppo_trains_its_critic_and_resumes_both_bitwise(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "two-processes"])
+def test_ppo_trains_its_critic_and_resumes_both_bitwise(nproc, tmp_path):
     """grpo.advantage gae: the critic's value loss is logged and stepped; a run killed after its checkpoint ends
-    with the uninterrupted run's policy, which it can only reach with the critic's weights and Adam state restored."""
+    with the uninterrupted run's policy, which it can only reach with the critic's weights and Adam state restored
+    (over two processes: the critic sharded with FSDP2, its resume state in each rank's shards)."""
     data, model = random_policy(tmp_path)
     cfg = grpo_config("ppo", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=4,
                       checkpoint_every=2, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_prompts=4,
                       advantage="gae", critic_lr=1e-3, lr=1e-3)
     env = {"PYTHONPATH": str(ROOT / "tests")}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    run_grpo(cfg, data, model, whole, **env)
+    run_grpo(cfg, data, model, whole, nproc=nproc, **env)
     records = step_records(whole)
     assert all(r["value_loss"] > 0 and r["critic_grad_norm"] > 0 for r in records)
-    proc = run_grpo(cfg, data, model, killed, check=False, POSTTRAIN_TEST_SIGKILL_AT_STEP="3", **env)
+    proc = run_grpo(cfg, data, model, killed, check=False, nproc=nproc, POSTTRAIN_TEST_SIGKILL_AT_STEP="3", **env)
     assert proc.returncode != 0 and resume_dir(killed).exists()
-    run_grpo(cfg, data, model, killed, **env)
+    run_grpo(cfg, data, model, killed, nproc=nproc, **env)
     a, b = weights(whole), weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["value_loss"] for r in step_records(killed)] == [r["value_loss"] for r in records]

@@ -66,8 +66,8 @@ def test_expert_and_context_parallel_layouts_the_mesh_refuses_are_refused():
 
 def test_ppo_and_kto_settings_the_stages_refuse_are_refused_at_plan_time():
     text = _problems(grpo={"advantage": "gae", "ratio": "sequence", "critic_init": "reward_model",
-                           "resources": {"procs": 2}}, dpo={"loss": "kto", "pairs": "on_policy"})
-    assert "grpo.resources: 2 processes: PPO (grpo.advantage: gae) trains its critic in one process" in text
+                           "resources": {"procs": 2}}, dpo={"loss": "kto", "pairs": "on_policy"}, parallel={"tp": 2})
+    assert "parallel.tp: 2: PPO (grpo.advantage: gae) shards its critic with data parallelism only" in text
     assert "grpo.ratio: sequence: PPO's advantages are per token" in text
     assert "grpo.critic_init: reward_model: the reward stage trains no reward model" in text
     assert "dpo.pairs: on_policy: KTO (dpo.loss: kto) trains on the prepared unpaired split" in text

@@ -9,7 +9,7 @@ config can break are checked here, for every variant, with the config key to cha
 - optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
   one micro-batch;
 - tensor parallelism without LoRA/QLoRA adapters;
-- PPO (`grpo.advantage: gae`): one process, a token-level ratio, a reward model to start the critic
+- PPO (`grpo.advantage: gae`): data parallelism only (no tp, cp or ep), a token-level ratio, a reward model to start the critic
   from when `grpo.critic_init` asks; KTO (`dpo.loss: kto`) on the offline unpaired split;
 - generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
 - model and data sources: a local folder or file the config names exists; a hub model id, with
@@ -80,7 +80,7 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             continue
         dp = world // (tp * cp)
         if stage == "grpo" and section["advantage"] == "gae":
-            problems += ppo_problems(cfg, world)
+            problems += ppo_problems(cfg)
         if stage == "grpo":
             prompts, rows = int(section["prompts_per_step"]), int(section["group_size"])
             if prompts % dp:
@@ -103,12 +103,13 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-def ppo_problems(cfg: Mapping[str, Any], world: int) -> list[tuple[str, str]]:
+def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """What the grpo stage refuses of PPO (`grpo.advantage: gae`)."""
     grpo, problems = cfg["grpo"], []
-    if world > 1:
-        problems.append(("grpo.resources", f"{world} processes: PPO (grpo.advantage: gae) trains its critic in one "
-                         "process; set nodes 1 and procs (or gpus) 1"))
+    for key in ("tp", "cp", "ep"):
+        if cfg["parallel"][key] > 1:
+            problems.append((f"parallel.{key}", f"{cfg['parallel'][key]}: PPO (grpo.advantage: gae) shards its critic "
+                             "with data parallelism only; set it to 1"))
     if grpo["ratio"] == "sequence":
         problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
     if grpo["critic_init"] == "reward_model" and not cfg["reward"]["reward_model"]:
