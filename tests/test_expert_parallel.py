@@ -115,5 +115,5 @@ def test_expert_parallel_refusals():
 
     with pytest.raises(ValueError, match="need a device mesh"):
         parallelize(Transformer(MOE), None, {}, {"ep": 2})
-    with pytest.raises(ValueError, match="need a process group"):
-        build_mesh(DistInfo(0, 1, 0, torch.device("cpu")), ep=2)
+    with pytest.raises(ValueError, match=r"parallel.ep \(2\) must divide the 1 FSDP shards"):
+        build_mesh(DistInfo(0, 1, 0, torch.device("cpu")), ep=2)  # whether or not a process group exists

@@ -93,6 +93,10 @@ def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1, 
             f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.dp_replicate ({dp_replicate}) = "
             f"{tp * cp * dp_replicate} does not divide the world size {info.world_size}"
         )
+    dp_shard = info.world_size // (tp * cp * dp_replicate)
+    if dp_shard % ep:
+        raise ValueError(f"parallel.ep ({ep}) must divide the {dp_shard} FSDP shards (world size {info.world_size} "
+                         f"/ (tp {tp} x dp_replicate {dp_replicate}))")
     if not dist.is_initialized():
         if tp * dp_replicate * ep * cp > 1:
             raise ValueError(
@@ -100,7 +104,6 @@ def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1, 
                 "process group: launch with torchrun --nproc-per-node N"
             )
         return None
-    dp_shard = info.world_size // (tp * cp * dp_replicate)
     if cp > 1:
         mesh = init_device_mesh(info.device.type, (dp_replicate, dp_shard, cp, tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
@@ -108,9 +111,6 @@ def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1, 
         return mesh
     if ep == 1:
         return init_device_mesh(info.device.type, (dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
-    if dp_shard % ep:
-        raise ValueError(f"parallel.ep ({ep}) must divide the {dp_shard} FSDP shards (world size {info.world_size} "
-                         f"/ (tp {tp} x dp_replicate {dp_replicate}))")
     mesh = init_device_mesh(info.device.type, (dp_replicate, dp_shard // ep, ep, tp),
                             mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
     mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
