@@ -31,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.models.attention import GatheredKV
 
-IGNORE_INDEX = -100
 
 
 class ContextParallel:
