@@ -63,15 +63,15 @@ from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 
 STAGE = "distill"
-READS = ("seed", "model.student", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "distill")
+READS = ("seed", "model.policy", "model.student", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "distill")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
-    "teacher": "teacher model folder (the output of distill.teacher_stage)",
+    "teacher": "teacher: distill.teacher_stage's output, or the stage before distill in `pipeline` (absent: model.policy)",
 }
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__)
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("teacher",))
     cfg, distill, data_dir = run.cfg, run.section, run.args.data
     accum = int(distill["grad_accum"])
     on_policy = distill["data"] == "on_policy"
@@ -81,7 +81,7 @@ def main() -> None:
     verifier = cfg["reward"]["verifiers"][0]
 
     # --- teacher (frozen) and student: one tokenizer, one vocabulary ---
-    teacher_dir = resolve_model_source(run.args.teacher)
+    teacher_dir = resolve_model_source(run.start_model("teacher"))
     teacher_config = model_config(str(teacher_dir), run.tokenizer)
     hf_config = student_config(cfg["model"]["student"], run.tokenizer, teacher_config)
     check_same_vocabulary(run.tokenizer, teacher_dir, teacher_config, cfg["model"]["student"], hf_config)

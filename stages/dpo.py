@@ -68,10 +68,10 @@ from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 
 STAGE = "dpo"
-READS = ("seed", "model.dtype", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
+READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
-    "model": "starting model: the SFT output folder (also the reference)",
+    "model": "starting model (also the reference): the output of the stage before dpo in `pipeline` (absent: model.policy)",
     "pairs": "on-policy pairs file of the reward stage (needed with dpo.pairs: on_policy)",
 }
 STEP_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected",
@@ -170,7 +170,7 @@ def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train:
     """
     dpo = run.section
     cache_path = reference_cache_path(run.out)
-    expected = fingerprint(key=run.cfg["key"], model=model_files(run.args.model), pairs=file_stats(pair_files),
+    expected = fingerprint(key=run.cfg["key"], model=model_files(run.start_model()), pairs=file_stats(pair_files),
                            rows=len(train.dataset), held_out=len(held_out), loss=dpo["loss"], reference=dpo["reference"],
                            mixed_precision=run.memory["mixed_precision"])
     cached = load_cache(cache_path, expected)
@@ -193,13 +193,14 @@ def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train:
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("pairs",))
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "pairs"))
     cfg, dpo, args = run.cfg, run.section, run.args
+    start = run.start_model()
     accum = int(dpo["grad_accum"])
     uses_reference = dpo["loss"] not in REFERENCE_FREE
     per_token = dpo["loss"] in ("ipo", "simpo", "orpo")
-    hf_config = model_config(args.model, run.tokenizer)
-    model = run.build_model(args.model, hf_config, dpo["method"], dpo["lora"])
+    hf_config = model_config(start, run.tokenizer)
+    model = run.build_model(start, hf_config, dpo["method"], dpo["lora"])
     head = OutputHead(model, run.mesh, run.memory)
 
     micro = run.micro_batch_size()
@@ -215,7 +216,7 @@ def main() -> None:
     if precompute:
         reference = PrecomputedReference(cached["train_chosen"], cached["train_rejected"])
     elif uses_reference and dpo["method"] == "full":
-        frozen = run.frozen_model(args.model, hf_config)
+        frozen = run.frozen_model(start, hf_config)
         reference = OnlineReference(frozen, OutputHead(frozen, run.mesh, run.memory), release=True)
     elif uses_reference:
         reference = OnlineReference(model, head)  # LoRA/QLoRA: the policy with its adapters disabled
@@ -262,7 +263,7 @@ def main() -> None:
         summary.update(evaluation, likelihood_acc_sft=before["eval/likelihood_acc"], pref_pairs=len(held_out))
     else:
         summary.update(pref_acc=None, pref_acc_note=f"{args.data}: no eval row carries response and rejected_response")
-    run.finish(model, hf_config, summary, base_model=args.model)
+    run.finish(model, hf_config, summary, base_model=start)
 
 
 if __name__ == "__main__":

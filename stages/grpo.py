@@ -70,10 +70,10 @@ from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, local_value, max_over_ranks
 
 STAGE = "grpo"
-READS = ("seed", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "reward.reward_model", "grpo")
+READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "reward.reward_model", "grpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
-    "model": "starting policy, an HF folder (the dpo stage's output)",
+    "model": "starting policy: the output of the stage before grpo in `pipeline` (absent: model.policy)",
     "reward": "reward stage output (grpo_prompts.parquet, rm/); default: the data's prompts split",
 }
 GENERATION_BATCH = 256  # sequences per native generate() call
@@ -190,8 +190,9 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("reward",))
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward"))
     cfg, grpo, args = run.cfg, run.section, run.args
+    start = run.start_model()
     if grpo["prompts_per_step"] % run.dp_size:
         raise SettingError(f"grpo.prompts_per_step ({grpo['prompts_per_step']}) must be divisible by the "
                          f"data-parallel processes ({run.dp_size})")
@@ -202,9 +203,9 @@ def main() -> None:
     if ppo and grpo["ratio"] == "sequence":
         raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * int(grpo["group_size"])
-    hf_config = model_config(args.model, run.tokenizer)
-    model = run.build_model(args.model, hf_config)
-    reference = run.frozen_model(args.model, hf_config) if grpo["kl_coef"] > 0 else None
+    hf_config = model_config(start, run.tokenizer)
+    model = run.build_model(start, hf_config)
+    reference = run.frozen_model(start, hf_config) if grpo["kl_coef"] > 0 else None
     optimization = run.optimization(model)
     optimization.one_micro_batch(-(-rows_per_rank // int(grpo["micro_batch_size"])),
                                  f"set grpo.micro_batch_size >= {rows_per_rank} (prompts per process x group_size)")
@@ -214,7 +215,7 @@ def main() -> None:
     # --- rollouts: generators (in this process, or Ray actors) fed by the reward stage's prompts ---
     reward_model = f"{args.reward}/rm" if args.reward and cfg["reward"]["reward_model"] else None
     spec = WorkerSpec(
-        backend=grpo["backend"], model_dir=args.model, tokenizer_dir=f"{args.data}/tokenizer", group_size=int(grpo["group_size"]),
+        backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=int(grpo["group_size"]),
         temperature=float(grpo["temperature"]), max_new_tokens=int(grpo["max_new_tokens"]),
         verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=reward_model, rm_weight=float(grpo["rm_weight"]),
         max_batch_size=GENERATION_BATCH, max_model_len=int(cfg["data"]["max_seq_len"]) + int(grpo["max_new_tokens"]),
@@ -226,7 +227,7 @@ def main() -> None:
     )
     held_out = eval_prompts(args.data, int(grpo["eval_prompts"]), run.dp_rank, run.dp_size)
 
-    critic = build_critic(grpo, args.model, args.reward, cfg["reward"]["reward_model"], int(cfg["seed"]),
+    critic = build_critic(grpo, start, args.reward, cfg["reward"]["reward_model"], int(cfg["seed"]),
                           run.device, run.mesh) if ppo else None
     run.resume(model, optimization, collection, extra={"critic": (critic.model, critic.optimizer)} if critic else None)
     history: list[dict[str, Any]] = []
@@ -266,7 +267,7 @@ def main() -> None:
             samples_per_s=sum(r["samples"] for r in history) / step_s,
             trainer_idle_frac=sum(r["trainer_idle_frac"] * r["step_s"] for r in history) / step_s,
         )
-    run.finish(model, hf_config, summary, base_model=args.model)
+    run.finish(model, hf_config, summary, base_model=start)
 
 
 if __name__ == "__main__":

@@ -85,10 +85,10 @@ from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
-READS = ("seed", "model.dtype", "data.max_seq_len", "memory", "reward")  # data.max_seq_len: the vLLM context
+READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "reward")  # data.max_seq_len: the vLLM context
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
-INPUTS = {"data": "prepare_data output (results/data/<key>)", "model": "policy HF folder (the dpo stage's output)"}
+INPUTS = {"data": "prepare_data output (results/data/<key>)", "model": "the policy grpo starts from (absent: model.policy)"}
 RM_HELD_OUT = 0.1  # share of preference pairs held out for the reward model's accuracy
 RM_EVAL_BATCH = 64
 RM_EVAL_EVERY = 25  # steps between held-out accuracy measurements (and at the last step)
@@ -335,7 +335,8 @@ def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__, section=rm_training, one_process=True)
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",), section=rm_training, one_process=True)
+    start = run.start_model()
     cfg, reward, args, tok = run.cfg, run.cfg["reward"], run.args, run.tokenizer
     band = pass_rate_band(reward)
     k = int(reward["samples_per_prompt"])
@@ -345,14 +346,14 @@ def main() -> None:
         raise ValueError(f"reward.n_prompts is {n} but {args.data}/prompts has {len(split)} rows (data.n_prompts)")
     rows = split.select(range(n)).to_list()
     examples = [json.loads(r["example"]) for r in rows]  # row i of the split is prompt index i
-    key = policy_key(args.model)
+    key = policy_key(start)
     timing: dict[str, float] = {}
 
     # 1. the reward model
     rm, rm_stats, rm_folder = None, {}, None
     if reward["reward_model"]:
         t0 = time.perf_counter()
-        rm, rm_stats, rm_folder = trained_reward_model(run, args.model)
+        rm, rm_stats, rm_folder = trained_reward_model(run, start)
         timing["rm_train_s"] = time.perf_counter() - t0
 
     # 2./3. samples and their rewards
@@ -360,7 +361,7 @@ def main() -> None:
                             stop_token_ids=tok.eos_ids)
     prompt_ids = [list(r["prompt_ids"]) for r in rows]
     t0 = time.perf_counter()
-    tokens, logprobs, reasons = sample(run, args.model, prompt_ids, params)
+    tokens, logprobs, reasons = sample(run, start, prompt_ids, params)
     timing["sample_s"] = time.perf_counter() - t0
     completions = tok.decode_batch(tokens)
     components = verifier_rewards(completions, examples, k, list(reward["verifiers"]))

@@ -29,14 +29,18 @@ from posttrain.training.stats import data_parallel_sum, local_value, non_pad_tok
 
 STAGE = "sft"
 READS = ("seed", "model.policy", "model.dtype", "memory", "parallel", "sft")  # what its key covers
-INPUTS = {"data": "prepared data folder (results/data/<key>)"}
+INPUTS = {
+    "data": "prepared data folder (results/data/<key>)",
+    "model": "starting model: the output of the stage before sft in `pipeline` (absent: model.policy)",
+}
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__)
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",))
     cfg, sft, data_dir = run.cfg, run.section, run.args.data
-    hf_config = model_config(cfg["model"]["policy"], run.tokenizer)
-    model = run.build_model(cfg["model"]["policy"], hf_config, sft["method"], sft["lora"])
+    start = run.start_model()
+    hf_config = model_config(start, run.tokenizer)
+    model = run.build_model(start, hf_config, sft["method"], sft["lora"])
     optimization = run.optimization(model)
     head = OutputHead(model, run.mesh, run.memory)
 
@@ -83,7 +87,7 @@ def main() -> None:
     run.log(run.total_steps, after)
     summary = {"eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
                "train_loss_last": last_loss, "steps": run.total_steps}
-    run.finish(model, hf_config, summary, base_model=cfg["model"]["policy"])
+    run.finish(model, hf_config, summary, base_model=start)
 
 
 if __name__ == "__main__":

@@ -387,6 +387,80 @@ def test_distill_teacher_and_export_stage_follow_the_config():
     assert v.manifest()["export"]["stage"] == "grpo"
 
 
+def job_counts(plan) -> dict[str, int]:
+    return {stage: len(jobs) for stage, jobs in plan.jobs.items()}
+
+
+def instruct_folder(tmp_path: Path) -> str:
+    """A stand-in for an instruct model's folder: planning reads its config.json only."""
+    folder = tmp_path / "instruct"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 512}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("pipeline, counts", [
+    (["sft"], {"prepare_data": 1, "sft": 1, "evaluate": 1, "export": 1}),
+    (["dpo"], {"prepare_data": 1, "dpo": 1, "evaluate": 1, "export": 1}),
+    (["grpo"], {"prepare_data": 1, "reward": 1, "grpo": 1, "evaluate": 1, "export": 1}),
+    (["sft", "grpo"], {"prepare_data": 1, "sft": 1, "reward": 1, "grpo": 1, "evaluate": 2, "export": 1}),
+    (["sft", "dpo", "grpo", "distill"], {"prepare_data": 1, "sft": 1, "dpo": 1, "reward": 1, "grpo": 1, "distill": 1,
+                                         "evaluate": 4, "export": 1}),
+])
+def test_pipeline_plans_its_stages_each_from_the_one_before(pipeline, counts, tmp_path):
+    v = build_plan(cfg_with(pipeline=pipeline, model={"policy": instruct_folder(tmp_path)})).variants["default"]
+    assert job_counts(build_plan(cfg_with(pipeline=pipeline, model={"policy": instruct_folder(tmp_path)}))) == counts
+    first = v.stages[pipeline[0]]
+    assert "model" not in first.inputs and "teacher" not in first.inputs  # the first starts from model.policy
+    for before, stage in zip(pipeline, pipeline[1:]):
+        assert v.stages[stage].inputs.get("model", v.stages[stage].inputs.get("teacher")) is v.stages[before]
+    if "grpo" in pipeline:  # reward scoring samples the policy grpo starts from
+        grpo, reward = v.stages["grpo"], v.stages["reward"]
+        assert grpo.inputs["reward"] is reward and reward.inputs.get("model") is grpo.inputs.get("model")
+    assert set(v.evals) == set(pipeline) and v.export.inputs["model"] is v.stages[pipeline[-1]]
+    assert v.previous()[pipeline[0]] is None and all(v.previous()[b] == a for a, b in zip(pipeline, pipeline[1:]))
+
+
+def test_shipped_pipeline_examples_plan_their_shapes():
+    shapes = {"sft-only.yaml": ["sft"], "dpo-only.yaml": ["dpo"], "grpo-from-instruct.yaml": ["grpo"],
+              "sft-grpo.yaml": ["sft", "grpo"]}
+    for name, pipeline in shapes.items():
+        plan = build_plan(load_config(REPO / "config/config.yaml", REPO / "config/examples" / name))
+        assert [s for s in plan.variants["default"].stages if s not in ("prepare_data", "reward")] == pipeline, name
+        assert job_counts(plan)["evaluate"] == len(pipeline) + ("base" in plan.variants["default"].evals)
+
+
+def test_pipeline_column_varies_the_stage_graph_and_shares_the_prefix(tmp_path):
+    table = write_table(tmp_path, """
+        variant|pipeline
+        with_dpo|[sft, dpo, grpo]
+        without_dpo|[sft, grpo]
+        grpo_only|[grpo]
+    """)
+    plan = build_plan(cfg_with(ablations=str(table), model={"policy": instruct_folder(tmp_path)}))
+    # One SFT (and its eval) shared by the two variants that start with it; grpo_only starts grpo (and its
+    # reward scoring) from model.policy; each grpo starts from another model, so three of each.
+    assert job_counts(plan) == {"prepare_data": 1, "sft": 1, "dpo": 1, "reward": 3, "grpo": 3, "evaluate": 5, "export": 3}
+    with_dpo, without, alone = (plan.variants[n] for n in ("with_dpo", "without_dpo", "grpo_only"))
+    assert with_dpo.stages["sft"] is without.stages["sft"] and "sft" not in alone.stages
+    assert with_dpo.stages["grpo"].inputs["model"] is with_dpo.stages["dpo"]
+    assert without.stages["grpo"].inputs["model"] is without.stages["sft"] and "model" not in alone.stages["grpo"].inputs
+    assert without.previous()["grpo"] == "sft" and alone.previous()["grpo"] is None
+
+
+@pytest.mark.parametrize("sections, key, words", [
+    ({"pipeline": ["sft", "distill"], "distill": {"teacher_stage": "grpo"}}, "distill.teacher_stage", "not listed before distill"),
+    ({"pipeline": ["distill", "sft"], "distill": {"teacher_stage": "sft"}}, "distill.teacher_stage", "not listed before distill"),
+    ({"pipeline": ["sft", "dpo"], "export": {"stage": "grpo"}}, "export.stage", "is not in pipeline"),
+    ({"pipeline": ["grpo"]}, "pipeline", "a preset (random weights)"),
+    ({"pipeline": ["sft", "sft"]}, "pipeline", "unique"),
+    ({"pipeline": []}, "pipeline", ""),
+])
+def test_pipeline_errors_name_the_key(sections, key, words):
+    text = error_text(merge(BASE, {"ablations": None}, sections))
+    assert key in text and words in text, text
+
+
 def test_results_root_is_configurable():
     v = build_plan(cfg_with(results="/scratch/me/runs/")).variants["default"]
     assert v.stages["sft"].path.startswith("/scratch/me/runs/sft/")

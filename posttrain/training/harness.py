@@ -32,7 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from posttrain.stage_config import load_stage_config, parse_inputs
-from posttrain.models import Transformer
+from posttrain.checkpoint import resolve_model_source
+from posttrain.models import Transformer, is_preset
 from posttrain.parallel import build_mesh, data_parallel_rank, destroy, init_distributed
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.final_model import save_final_model
@@ -90,8 +91,21 @@ class StageRun:
         self.before: dict[str, Any] = {}
         self._resumed: ResumePoint | None = None
         self._record: tuple[dict[str, Any], dict[str, str]] | None = None
+        self._policy: dict[str, str] = {}  # model.policy -> its folder, resolved once
 
     # --- setup ---
+
+    def start_model(self, flag: str = "model") -> str:
+        """What the stage starts from: the folder given with `--<flag>` (the model of the pipeline's stage
+        before it), else `model.policy` (the first stage of `pipeline`): a preset name, or its folder
+        (a hub id fetched into the Hugging Face cache)."""
+        given = getattr(self.args, flag)
+        if given is not None:
+            return given
+        policy = self.cfg["model"]["policy"]
+        if policy not in self._policy:
+            self._policy[policy] = policy if is_preset(policy) else str(resolve_model_source(policy))
+        return self._policy[policy]
 
     def build_model(self, source: str | None, hf_config: dict[str, Any], method: str = "full",
                     lora: Mapping[str, Any] | None = None) -> Transformer:

@@ -35,6 +35,8 @@ KEY_VERSION = 2  # bump when the key recipe changes, so old outputs are not reus
 KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
 RUN_SECTION = {"prepare_data": "data", "evaluate": "eval"}  # stage -> config section of its run settings
+# The CLI flag by which a model stage (and reward scoring) gets the model it starts from; absent: model.policy.
+START_FLAGS = {"sft": "model", "dpo": "model", "reward": "model", "grpo": "model", "distill": "teacher"}
 
 
 def canonical_json(value: Any) -> str:
@@ -141,10 +143,10 @@ class VariantPlan:
     def previous(self) -> dict[str, str | None]:
         """Evaluated stage -> the one its model started from: what the report's deltas compare to.
 
-        SFT starts from the base model (None unless `eval.base` evaluates it); distill from its teacher.
+        The first model stage starts from the base model (None unless `eval.base` evaluates it); distill from its teacher.
         """
         start = BASE if BASE in self.evals else None
-        inputs = {stage: self.stages[stage].inputs.values() for stage in MODEL_STAGES}
+        inputs = {stage: job.inputs.values() for stage, job in self.stages.items() if stage in MODEL_STAGES}
         previous = {stage: next((job.stage for job in jobs if job.stage in MODEL_STAGES), start)
                     for stage, jobs in inputs.items()}
         return {BASE: None, **previous} if start else previous
@@ -201,19 +203,26 @@ class Plan:
         return planned[key]
 
     def add_variant(self, variant: Variant) -> VariantPlan:
+        """The variant's jobs: its `pipeline` of model stages in order, each from the model before it (the
+        first from `model.policy`), reward scoring before grpo on grpo's starting model, an eval of every
+        model stage (and of the base with `eval.base`), the export of `export.stage` or the last stage."""
         cfg = variant.config
         data = self._add("prepare_data", cfg, {})
-        sft = self._add("sft", cfg, {"data": data})
-        dpo = self._add("dpo", cfg, {"data": data, "model": sft})
-        reward = self._add("reward", cfg, {"data": data, "model": dpo})
-        grpo = self._add("grpo", cfg, {"data": data, "model": dpo, "reward": reward})
-        models = {"sft": sft, "dpo": dpo, "grpo": grpo}
-        models["distill"] = self._add("distill", cfg, {"data": data, "teacher": models[cfg["distill"]["teacher_stage"]]})
+        stages: dict[str, Job] = {"prepare_data": data}
+        models: dict[str, Job] = {}
+        previous: Job | None = None  # the model the next stage starts from; None: model.policy
+        for stage in cfg["pipeline"]:
+            start = previous
+            if stage == "distill" and cfg["distill"]["teacher_stage"]:
+                start = models[cfg["distill"]["teacher_stage"]]  # preflight: listed before distill
+            inputs = {"data": data, **({START_FLAGS[stage]: start} if start else {})}
+            if stage == "grpo":
+                stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
+            models[stage] = stages[stage] = previous = self._add(stage, cfg, inputs)
         evals = {BASE: self._add("evaluate", cfg, {"data": data})} if cfg["eval"]["base"] else {}
-        evals.update({stage: self._add("evaluate", cfg, {"data": data, "model": models[stage]}) for stage in MODEL_STAGES})
-        exported = cfg["export"]["stage"]  # the model card quotes the model's eval
-        export = self._add("export", cfg, {"model": models[exported], "eval": evals[exported]})
-        stages = {"prepare_data": data, "sft": sft, "dpo": dpo, "reward": reward, "grpo": grpo, "distill": models["distill"]}
+        evals.update({stage: self._add("evaluate", cfg, {"data": data, "model": job}) for stage, job in models.items()})
+        exported = cfg["export"]["stage"] or cfg["pipeline"][-1]  # preflight: a listed stage
+        export = self._add("export", cfg, {"model": models[exported], "eval": evals[exported]})  # its card quotes the eval
         plan = VariantPlan(variant.name, variant.overrides, stages, evals, export)
         self.variants[variant.name] = plan
         return plan

@@ -12,6 +12,8 @@ config can break are checked here, for every variant, with the config key to cha
 - PPO (`grpo.advantage: gae`): data parallelism only (no tp, cp or ep), a token-level ratio, a reward model to start the critic
   from when `grpo.critic_init` asks; KTO (`dpo.loss: kto`) on the offline unpaired split;
 - generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
+- the stage graph (`pipeline`): `distill.teacher_stage` listed before distill, `export.stage` listed, a
+  first stage other than SFT started from a model (a folder or hub id), not a preset's random weights;
 - model and data sources: a local folder or file the config names exists; a hub model id, with
   `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
   and are left to data prep).
@@ -19,11 +21,14 @@ config can break are checked here, for every variant, with the config key to cha
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+_LEAVES: dict[str, ModuleType] = {}
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -116,6 +121,40 @@ def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         problems.append(("grpo.critic_init", "reward_model: the reward stage trains no reward model; set "
                          "reward.reward_model: true or critic_init: policy"))
     return problems
+
+
+def pipeline_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What the plan cannot build from `pipeline`: a teacher or export stage it does not list, or a stage that
+    needs trained weights started from a preset."""
+    pipeline, problems = list(cfg["pipeline"]), []
+    teacher, exported = cfg["distill"]["teacher_stage"], cfg["export"]["stage"]
+    if "distill" in pipeline and teacher and teacher not in pipeline[: pipeline.index("distill")]:
+        problems.append(("distill.teacher_stage", f"{teacher} is not listed before distill in pipeline {pipeline}; "
+                         "list it there or set null (the stage before distill)"))
+    if exported and exported not in pipeline:
+        problems.append(("export.stage", f"{exported} is not in pipeline {pipeline}; name one of them or null (the last)"))
+    first = pipeline[0]
+    from_base = first != "sft" and not (first == "distill" and teacher)
+    if from_base and _is_preset_name(cfg["model"]["policy"]):
+        problems.append(("pipeline", f"{pipeline} starts {first} from model.policy {cfg['model']['policy']!r}, a preset "
+                         "(random weights); set model.policy to a model folder or hub id, or put sft first"))
+    return problems
+
+
+def _models_leaf(name: str) -> ModuleType:
+    """`posttrain/models/<name>.py` (a module that imports nothing of torch) without the package's `__init__`,
+    which imports the model code and torch: planning stays light."""
+    if name not in _LEAVES:
+        path = Path(__file__).resolve().parents[1] / "models" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"_posttrain_models_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LEAVES[name] = module
+    return _LEAVES[name]
+
+
+def _is_preset_name(source: str) -> bool:
+    return source in _models_leaf("presets").PRESETS
 
 
 def _offline() -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from posttrain.workflow.preflight import path_problems, stage_rule_problems
+from posttrain.workflow.preflight import path_problems, pipeline_problems, stage_rule_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = REPO_ROOT / "workflow" / "schemas"
@@ -266,7 +266,7 @@ def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
     if too_big:
         problems.append(Problem("eval.pass_k", f"{too_big} exceed eval.samples = {cfg['eval']['samples']}"))
     # What the stages would refuse when they start, and sources that do not exist: before any job is queued.
-    return problems + [Problem(key, message) for key, message in stage_rule_problems(cfg) + path_problems(cfg)]
+    return problems + [Problem(key, message) for key, message in stage_rule_problems(cfg) + pipeline_problems(cfg) + path_problems(cfg)]
 
 
 def validate_config(
