@@ -25,7 +25,7 @@ from typing import Any
 from posttrain.utils.io import read_json
 
 RESOLVED_KEYS = ("stage", "key", "upstream")  # every resolved config has them
-META_KEYS = (*RESOLVED_KEYS, "code")  # what the workflow adds; readable without a declaration
+META_KEYS = (*RESOLVED_KEYS, "code", "files")  # what the workflow adds; readable without a declaration
 RUN_KEYS = ("loggers",)  # top-level run settings
 RUN_SECTION_KEYS = ("resources", "log_every", "checkpoint_every")  # run settings of each config section
 CONFIG_SUFFIX, RUN_SUFFIX = ".config.json", ".run.json"

@@ -81,11 +81,14 @@ def eval_rows(data_dir: Path, n: int, seed: int) -> list[dict[str, Any]]:
     return rows[:n]
 
 
-def reference_folder(model_dir: Path, record: dict[str, Any], override: str | None) -> Path:
-    """The DPO run's reference: `--reference`, else its upstream model stage's folder next to it."""
+def reference_folder(model_dir: Path, record: dict[str, Any], override: str | None, policy: str) -> Path:
+    """The DPO run's reference: `--reference`, else its upstream model stage's folder next to it, or `policy`
+    (model.policy) for a DPO run that started the pipeline."""
     if override:
         return Path(override)
     models = [(stage, key) for stage, key in record.get("upstream", {}).items() if stage in MODEL_STAGES]
+    if not models:
+        return resolve_model_source(policy)
     if len(models) != 1:
         raise ValueError(f"{model_dir}/posttrain.json: expected one upstream model stage, found {models}")
     return upstream_folder(model_dir, *models[0])
@@ -115,7 +118,7 @@ def preference_metrics(model: Transformer, model_dir: Path | None, record: dict[
     dpo_cfg = record["config"]["dpo"]
     reference = None
     if dpo_cfg["loss"] not in REFERENCE_FREE:
-        folder = reference_folder(model_dir, record, reference_override)
+        folder = reference_folder(model_dir, record, reference_override, record["config"]["model"]["policy"])
         if not folder.is_dir():
             return {"pref_acc": None, "pref_acc_note": f"reference model {folder} not found (pass --reference)"}
         reference = load_hf_model(folder, device).eval()

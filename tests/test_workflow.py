@@ -367,7 +367,8 @@ def test_resolved_config_contract(tmp_path):
     assert sft.path == f"results/sft/{sft.key}" and sft.config_path == f"results/sft/{sft.key}.config.json"
     assert sft.resolved["stage"] == "sft" and sft.resolved["key"] == sft.key
     assert sft.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key}
-    assert set(sft.resolved) == {"seed", "model", "data", "memory", "parallel", "sft", "stage", "key", "upstream", "code"}
+    assert set(sft.resolved) == {"seed", "model", "data", "memory", "parallel", "sft", "stage", "key", "upstream", "code", "files"}
+    assert sft.resolved["files"] == {}  # a preset model and built-in tasks: no file of the user's
     assert "student" not in sft.resolved["model"]  # only distill reads the student
     assert grpo.resolved["upstream"] == {"prepare_data": g4.stages["prepare_data"].key, "dpo": g4.stages["dpo"].key,
                                          "reward": g4.stages["reward"].key}
@@ -483,13 +484,14 @@ def test_report_config_lists_every_variant(tmp_path):
 # --- launcher ---------------------------------------------------------------------------------
 
 ENV = "PYTHONPATH=/repo${PYTHONPATH:+:$PYTHONPATH}"
+TORCHRUN = "python -m torch.distributed.run"  # torchrun from the same interpreter
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
     (LaunchSpec(threads=2), f"{ENV} OMP_NUM_THREADS=2 python"),
-    (LaunchSpec(procs=2, threads=2), f"{ENV} OMP_NUM_THREADS=1 torchrun --standalone --nnodes 1 --nproc-per-node 2"),
-    (LaunchSpec(gpus=1, threads=8), f"{ENV} OMP_NUM_THREADS=8 torchrun --standalone --nnodes 1 --nproc-per-node 1"),
-    (LaunchSpec(gpus=8, threads=64), f"{ENV} OMP_NUM_THREADS=8 torchrun --standalone --nnodes 1 --nproc-per-node 8"),
+    (LaunchSpec(procs=2, threads=2), f"{ENV} OMP_NUM_THREADS=1 {TORCHRUN} --standalone --nnodes 1 --nproc-per-node 2"),
+    (LaunchSpec(gpus=1, threads=8), f"{ENV} OMP_NUM_THREADS=8 {TORCHRUN} --standalone --nnodes 1 --nproc-per-node 1"),
+    (LaunchSpec(gpus=8, threads=64), f"{ENV} OMP_NUM_THREADS=8 {TORCHRUN} --standalone --nnodes 1 --nproc-per-node 8"),
 ])
 def test_single_node_commands(spec, expected):
     assert command_prefix(spec, "/repo") == expected
@@ -501,11 +503,17 @@ def test_multi_node_command():
     assert words[2:9] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpus-per-task=64",
                           "--gres=gpu:8", "--kill-on-bad-exit=1"]
     assert words[9:11] == ["sh", "-c"] and words[12] == "torchrun"
-    assert words[11].startswith('exec torchrun --nnodes 4 --nproc-per-node 8 --node-rank "$SLURM_NODEID"')
+    assert words[11].startswith(f'exec {TORCHRUN} --nnodes 4 --nproc-per-node 8 --node-rank "$SLURM_NODEID"')
+
+
+def test_stages_start_with_the_interpreter_given():
+    """The workflow passes the interpreter Snakemake runs in: a venv's, whether or not it is activated."""
+    prefix = command_prefix(LaunchSpec(procs=2, threads=2), "/repo", python="/opt/my venv/bin/python")
+    assert shlex.split(prefix)[2:5] == ["/opt/my venv/bin/python", "-m", "torch.distributed.run"]
 
 
 def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
-    """Fake srun/scontrol/torchrun on PATH: node k's torchrun is node rank k, every node gets the first
+    """Fake srun/scontrol/python on PATH: node k's torchrun is node rank k, every node gets the first
     node's address (its NodeAddr, not its name) and a port offset by the job id, and the script's
     arguments arrive intact (quoting survives `sh -c`)."""
     bin_dir = tmp_path / "bin"
@@ -519,7 +527,9 @@ def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
                     '  "show node gpu07 -o") echo "NodeName=gpu07 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=gpu07" ;;\n'
                     '  *) exit 1 ;;\n'
                     'esac',
-        "torchrun": 'printf "%s\\n" "node=$SLURM_NODEID" "$@" >> "$TORCHRUN_LOG"',
+        # python -m torch.distributed.run (torchrun from the workflow's interpreter)
+        "python": '[ "$1 $2" = "-m torch.distributed.run" ] || exit 1; shift 2\n'
+                  'printf "%s\\n" "node=$SLURM_NODEID" "$@" >> "$TORCHRUN_LOG"',
     }
     for name, body in fakes.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
@@ -537,7 +547,7 @@ def test_multi_node_command_runs_one_torchrun_per_node(tmp_path):
 
 
 def test_generator_nodes_run_ray_workers_and_the_first_node_a_ray_head(tmp_path):
-    """Fake srun/scontrol/torchrun/python: with generator_nodes 1 of 3, nodes 0 and 1 run torchrun over two
+    """Fake srun/scontrol/python: with generator_nodes 1 of 3, nodes 0 and 1 run torchrun over two
     nodes, node 2 a Ray worker; node 0 starts the Ray head first and stops it after; all see one RAY_ADDRESS."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -549,8 +559,9 @@ def test_generator_nodes_run_ray_workers_and_the_first_node_a_ray_head(tmp_path)
                     '  "show node c1 -o") echo "NodeName=c1 NodeAddr=10.0.0.1" ;;\n'
                     '  *) exit 1 ;;\n'
                     'esac',
-        "torchrun": 'echo "node=$SLURM_NODEID torchrun $RAY_ADDRESS $*" >> "$LOG"',
-        "python": 'echo "node=$SLURM_NODEID python $*" >> "$LOG"; [ "$3" = head ] && exec sleep 30; exit 0',
+        "python": 'if [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2\n'
+                  '  echo "node=$SLURM_NODEID torchrun $RAY_ADDRESS $*" >> "$LOG"; exit 0; fi\n'
+                  'echo "node=$SLURM_NODEID python $*" >> "$LOG"; [ "$3" = head ] && exec sleep 30; exit 0',
     }
     for name, body in fakes.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")

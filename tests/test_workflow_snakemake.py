@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def test_three_grpo_variants_plan_one_sft_one_dpo_three_grpo(wf):
 def test_shell_lines(wf):
     out = wf.snakemake("--dry-run", "--printshellcmds", "--cores", "2").output
     key = r"[0-9a-f]{12}"
-    launch = r"PYTHONPATH=\S+\$\{PYTHONPATH:\+:\$PYTHONPATH\} OMP_NUM_THREADS=\d python"
+    python = re.escape(shlex.quote(sys.executable))  # the interpreter Snakemake runs in, not the first python on PATH
+    launch = rf"PYTHONPATH=\S+\$\{{PYTHONPATH:\+:\$PYTHONPATH\}} OMP_NUM_THREADS=\d {python}"
     expected = {
         "prepare_data": rf"stages/prepare_data.py --config results/data/(?P<k>{key}).config.json --out results/data/(?P=k)"
                         rf" > results/logs/data/(?P=k).log 2>&1",
@@ -141,7 +143,7 @@ def test_shell_lines(wf):
     }
     for stage, pattern in expected.items():
         assert re.search(rf"{launch} {pattern}", out), (stage, out[-3000:])
-    assert re.search(r"OMP_NUM_THREADS=1 python stages/report.py --config results/report\.[0-9a-f]{12}\.config\.json --out results/report", out)
+    assert re.search(rf"OMP_NUM_THREADS=1 {python} stages/report.py --config results/report\.[0-9a-f]{{12}}\.config\.json --out results/report", out)
 
 
 def test_config_error_stops_before_any_job(wf):

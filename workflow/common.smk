@@ -7,6 +7,10 @@ import sys
 
 from snakemake.utils import min_version, validate
 
+from snakemake.settings.types import DeploymentMethod
+
+from posttrain.workflow.inputs import CACHE_FILE, stage_pythonpath
+from posttrain.workflow.overrides import apply_command_line
 from posttrain.workflow.schema import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
@@ -20,17 +24,21 @@ SCHEMAS = os.path.join(REPO, "workflow", "schemas")
 
 # Every key, type and allowed value is checked before any job is planned; a problem stops here
 # with a message naming the key. Defaults from the schema fill what the config leaves out.
-config.update(
-    validate_config(
-        config,
-        where="config (config/config.yaml + --configfile/--config)",
-        schema=load_schema(os.path.join(SCHEMAS, "config.schema.yaml")),
-    )
+# `--config` values are typed by the schema first (Snakemake reads nested ones as strings), and
+# `--config set='sft.lr=1e-3; pipeline=[sft, grpo]'` takes dotted keys (posttrain/workflow/overrides.py).
+SCHEMA = load_schema(os.path.join(SCHEMAS, "config.schema.yaml"))
+_checked = validate_config(
+    apply_command_line(config, workflow.config_settings.config or {}, SCHEMA),
+    where="config (config/config.yaml + --configfile/--config)",
+    schema=SCHEMA,
 )
+config.clear()
+config.update(_checked)
 validate(config, "schemas/config.schema.yaml")
 
-# Keys cover the code of this checkout's stages/ and posttrain/ (a copied repository keys its own).
-PLAN = build_plan(config, schema_dir=SCHEMAS, repo=REPO)  # names the line and column of a bad table cell
+# Keys cover the code of this checkout's stages/ and posttrain/ (a copied repository keys its own), and
+# the content of the user's files each stage reads, hashed once per change (the cache under results/).
+PLAN = build_plan(config, schema_dir=SCHEMAS, repo=REPO, hash_cache=os.path.join(config["results"], CACHE_FILE))
 RESULTS = PLAN.results
 # Each planned output's resolved config (<results>/<stage dir>/<key>.config.json) and the report's
 # (<results>/report.<key>.config.json): pure functions of the plan, named by their key, written
@@ -105,4 +113,9 @@ def launcher(wildcards, threads, resources):
     It takes `resources` and `threads`, so Snakemake treats it as derived and does not rerun a job
     when only its resources change (the stage key covers what the output depends on).
     """
-    return command_prefix(spec_from_resources(resources, threads), pythonpath=REPO)
+    return command_prefix(spec_from_resources(resources, threads), pythonpath=os.pathsep.join(stage_pythonpath(REPO)),
+                          python=PYTHON)
+
+
+# The interpreter Snakemake runs in, so a venv's snakemake needs no activated venv; a conda env's own python.
+PYTHON = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable

@@ -65,8 +65,10 @@ def declared_reads(script: str | os.PathLike) -> tuple[str, ...]:
     raise StageSourceError(f"{path}: no module-level {READS_NAME} = (...): a stage declares the config keys it reads")
 
 
-def module_hashes(script: str | os.PathLike, repo: str | os.PathLike) -> dict[str, str]:
-    """Path relative to `repo` -> hash, of the script and every `posttrain` module it imports."""
+def module_hashes(script: str | os.PathLike, repo: str | os.PathLike, package: str | None = PACKAGE) -> dict[str, str]:
+    """Path relative to `repo` -> hash, of the script and every `package` module it imports (an import of
+    `package` that has no file under `repo` is an error). `package` None: every imported module that has
+    a file under `repo`, the others (the standard library, installed packages) left out: a user's code."""
     repo = Path(repo).resolve()
     seen: set[Path] = set()
     todo = [Path(script).resolve()]
@@ -75,7 +77,7 @@ def module_hashes(script: str | os.PathLike, repo: str | os.PathLike) -> dict[st
         if path in seen:
             continue
         seen.add(path)
-        todo += _imported_files(path, repo)
+        todo += _imported_files(path, repo, package)
     return {path.relative_to(repo).as_posix(): _parse(path).digest for path in sorted(seen)}
 
 
@@ -129,14 +131,16 @@ def _absolute(module: str, level: int, path: Path, repo: Path) -> str:
     return ".".join([*base, *([module] if module else [])])
 
 
-def _imported_files(path: Path, repo: Path) -> list[Path]:
-    """The files of the `posttrain` modules `path` imports, with the package `__init__.py` files on their way."""
+def _imported_files(path: Path, repo: Path, package: str | None) -> list[Path]:
+    """The files of the `package` modules `path` imports, with the package `__init__.py` files on their way."""
     files: list[Path] = []
     for module, level, names, line in _parse(path).imports:
         module = _absolute(module, level, path, repo)
-        if module.split(".")[0] != PACKAGE:
+        if package is not None and module.split(".")[0] != package:
             continue
         found = _module_files(module, repo)
+        if found is None and package is None:
+            continue
         if found is None:
             raise StageSourceError(f"{path}:{line}: imports {module}, which is not a module under {repo}")
         files += found

@@ -4,12 +4,15 @@
     gpus 0, procs P > 1         ->  torchrun --standalone --nnodes 1 --nproc-per-node P   (gloo)
     gpus G >= 1, one node       ->  torchrun --standalone --nnodes 1 --nproc-per-node G
     N > 1 nodes                 ->  srun (one task per node) torchrun --nnodes N --node-rank <node id> ...
+
+`python` is the interpreter Snakemake runs in (a venv's, activated or not; under `--sdm conda` the env's
+own `python`), and torchrun is `python -m torch.distributed.run`, the same program from that interpreter.
     N nodes, G generator nodes  ->  the same on the first N - G nodes; a Ray head beside the first
                                     torchrun, a Ray worker on each of the last G (async GRPO)
 
-Every rule's shell line is `<prefix> stages/<stage>.py --config ... --out ...`. The prefix also sets
-PYTHONPATH to the checkout (so the scripts import the same `posttrain` as the workflow, also in a
-conda env without it) and OMP_NUM_THREADS to the job's CPUs divided among its processes.
+Every rule's shell line is `<prefix> stages/<stage>.py --config ... --out ...`. The prefix also puts
+the checkout (so the scripts import the same `posttrain` as the workflow, also in a conda env without
+it) and the working directory (a user's reward modules) on PYTHONPATH and OMP_NUM_THREADS to the job's CPUs divided among its processes.
 
 `job_resources` maps a stage's `resources` config onto the Snakemake resources that
 snakemake-executor-plugin-slurm 2.8 reads: one node asks `--gpus=G` and runs one task (the
@@ -95,30 +98,31 @@ def job_resources(res: Mapping[str, Any]) -> dict[str, Any]:
 RESOURCE_NAMES = tuple(job_resources({"nodes": 1, "gpus": 0, "procs": 1, "mem_mb": 1, "runtime": 1}))
 
 
-def _with_ray_nodes(torchrun: str, trainers: int, node_addr: str, cpus: int) -> str:
+def _with_ray_nodes(torchrun: str, trainers: int, node_addr: str, cpus: int, python: str) -> str:
     """Node k >= `trainers` runs a Ray worker (`posttrain.rl.ray_node`) instead of torchrun; node 0 runs the
     Ray head beside its torchrun and stops it after; the trainer finds the head through RAY_ADDRESS. The
     cluster is the job's own, like torchrun's rendezvous: no Ray token authentication."""
     return (
         f'export RAY_ADDRESS={node_addr}:"$(({RAY_PORT} + $SLURM_JOB_ID % {PORT_SPREAD}))" RAY_AUTH_MODE=disabled; '
         'ray_tmp="/tmp/posttrain-ray-$SLURM_JOB_ID-$SLURM_NODEID"; '
-        f'if [ "$SLURM_NODEID" -ge {trainers} ]; then exec python -m posttrain.rl.ray_node worker'
+        f'if [ "$SLURM_NODEID" -ge {trainers} ]; then exec {python} -m posttrain.rl.ray_node worker'
         f' --address "$RAY_ADDRESS" --temp-dir "$ray_tmp" --cpus {cpus}; fi; '
         'head=; if [ "$SLURM_NODEID" -eq 0 ]; then'
-        ' python -m posttrain.rl.ray_node head --address "$RAY_ADDRESS" --temp-dir "$ray_tmp" & head=$!; fi; '
+        f' {python} -m posttrain.rl.ray_node head --address "$RAY_ADDRESS" --temp-dir "$ray_tmp" & head=$!; fi; '
         f'{torchrun}; status=$?; '
         'if [ -n "$head" ]; then kill "$head"; wait "$head"; fi; exit $status'
     )
 
 
-def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
+def command_prefix(spec: LaunchSpec, pythonpath: str, python: str = "python") -> str:
     """The shell words that precede `stages/<stage>.py <args>` (values are validated or quoted)."""
     omp = max(1, spec.threads // spec.procs_per_node)
     env = f"PYTHONPATH={shlex.quote(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}} OMP_NUM_THREADS={omp}"
+    python = shlex.quote(python)
     if spec.nodes == 1 and spec.procs_per_node == 1 and spec.gpus == 0:
-        return f"{env} python"
+        return f"{env} {python}"
     if spec.nodes == 1:
-        return f"{env} torchrun --standalone --nnodes 1 --nproc-per-node {spec.procs_per_node}"
+        return f"{env} {python} -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node {spec.procs_per_node}"
     # One torchrun per node, with a static rendezvous: node k of the allocation (SLURM_NODEID) is
     # node rank k, so global ranks, seeds and data shards follow the node order, not who joined
     # first (c10d would hand out node ranks by arrival). The master is the allocation's first node,
@@ -129,14 +133,14 @@ def command_prefix(spec: LaunchSpec, pythonpath: str) -> str:
     node_addr = f'"$(scontrol show node {first_node} -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p")"'
     trainers = spec.nodes - spec.generator_nodes
     torchrun = (
-        f"torchrun --nnodes {trainers} --nproc-per-node {spec.procs_per_node}"
+        f"{python} -m torch.distributed.run --nnodes {trainers} --nproc-per-node {spec.procs_per_node}"
         ' --node-rank "$SLURM_NODEID"'
         f" --master-addr {node_addr}"
         f' --master-port "$(({spec.rdzv_port} + $SLURM_JOB_ID % {PORT_SPREAD}))"'
         ' "$@"'
     )
     if spec.generator_nodes:
-        torchrun = _with_ray_nodes(torchrun, trainers, node_addr, spec.threads)
+        torchrun = _with_ray_nodes(torchrun, trainers, node_addr, spec.threads, python)
     else:
         torchrun = f"exec {torchrun}"
     gres = f" --gres=gpu:{spec.gpus}" if spec.gpus else ""

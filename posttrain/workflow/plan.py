@@ -27,11 +27,13 @@ from posttrain.stage_config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTI
 from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
+from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs
 from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, pipeline_order
+from posttrain.workflow.model_names import preset_names
 
 __all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
 
-KEY_VERSION = 2  # bump when the key recipe changes, so old outputs are not reused by mistake (2: code fingerprint)
+KEY_VERSION = 3  # bump when the key recipe changes, so old outputs are not reused by mistake (2: code, 3: user files)
 KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
 RUN_SECTION = {"prepare_data": "data", "evaluate": "eval"}  # stage -> config section of its run settings
@@ -44,9 +46,13 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def stage_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str], code: str) -> str:
-    """12 hex digits of sha256 over the stage name, its settings, its code fingerprint and its inputs' keys."""
-    payload = canonical_json({"v": KEY_VERSION, "stage": stage, "config": settings, "code": code, "upstream": upstream})
+def stage_key(stage: str, settings: Mapping[str, Any], upstream: Mapping[str, str], code: str,
+              files: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """12 hex digits of sha256 over the stage name, its settings, its code fingerprint, its inputs' keys and
+    the content of the user's files it reads (`inputs.user_inputs`; where a file lies is no part of it)."""
+    content = {name: {k: v for k, v in record.items() if k != "path"} for name, record in (files or {}).items()}
+    payload = canonical_json({"v": KEY_VERSION, "stage": stage, "config": settings, "code": code, "upstream": upstream,
+                              "files": content})
     return hashlib.sha256(payload.encode()).hexdigest()[:KEY_LENGTH]
 
 
@@ -169,6 +175,7 @@ class Plan:
 
     results: str
     repo: Path = REPO_ROOT  # whose stages/ and posttrain/ the keys' code records come from
+    hashes: ContentHashes = field(default_factory=ContentHashes)  # of the user's files, cached by path and stat
     variants: dict[str, VariantPlan] = field(default_factory=dict)
     jobs: dict[str, dict[str, Job]] = field(default_factory=dict)  # stage -> key -> job
     _code: dict[str, StageCode] = field(default_factory=dict)
@@ -190,14 +197,15 @@ class Plan:
         code = self.code(stage)
         upstream = {job.stage: job.key for job in inputs.values()}
         settings = _settings(code, cfg)
-        key = stage_key(stage, settings, upstream, code.fingerprint)
+        files = user_inputs(stage, settings, self.hashes, preset_names(), code_search_path(self.repo))
+        key = stage_key(stage, settings, upstream, code.fingerprint, files)
         planned = self.jobs.setdefault(stage, {})
         if key not in planned:
             resolved: dict[str, Any] = {}
             for job in inputs.values():
                 resolved = deep_union(resolved, {k: v for k, v in job.resolved.items() if k not in META_KEYS})
             resolved = deep_union(resolved, settings)
-            resolved.update(stage=stage, key=key, upstream=upstream, code=code.record())
+            resolved.update(stage=stage, key=key, upstream=upstream, code=code.record(), files=files)
             path = f"{self.results}/{STAGE_DIRS[stage]}/{key}"
             planned[key] = Job(stage, key, path, inputs, json.loads(canonical_json(resolved)), _run_settings(stage, cfg))
         return planned[key]
@@ -257,13 +265,17 @@ class Plan:
         return {**settings, "stage": "report", "key": key, "upstream": {}, "code": code.record()}
 
 
-def build_plan(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR, repo: str | Path = REPO_ROOT) -> Plan:
+def build_plan(cfg: Mapping[str, Any], schema_dir: str | Path = SCHEMA_DIR, repo: str | Path = REPO_ROOT,
+               hash_cache: str | Path | None = None) -> Plan:
     """The plan of a validated config and its ablation table (checked against `schema_dir`'s schemas).
 
     `repo` holds the stage scripts and the `posttrain` sources whose code enters the keys: the
-    workflow's own directory.
+    workflow's own directory. `hash_cache`: the file that remembers the user's files' hashes between
+    plannings (the workflow's is `<results>/.posttrain/content-hashes.json`; None: this process only).
     """
-    plan = Plan(results=cfg["results"].rstrip("/"), repo=Path(repo).resolve())
+    hashes = ContentHashes(Path(hash_cache) if hash_cache else None)
+    plan = Plan(results=cfg["results"].rstrip("/"), repo=Path(repo).resolve(), hashes=hashes)
     for variant in load_variants(cfg, schema_dir).values():
         plan.add_variant(variant)
+    hashes.save()
     return plan

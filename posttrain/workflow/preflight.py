@@ -21,14 +21,13 @@ config can break are checked here, for every variant, with the config key to cha
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-_LEAVES: dict[str, ModuleType] = {}
+from posttrain.workflow.model_names import preset_names
+
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -135,26 +134,10 @@ def pipeline_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         problems.append(("export.stage", f"{exported} is not in pipeline {pipeline}; name one of them or null (the last)"))
     first = pipeline[0]
     from_base = first != "sft" and not (first == "distill" and teacher)
-    if from_base and _is_preset_name(cfg["model"]["policy"]):
+    if from_base and cfg["model"]["policy"] in preset_names():
         problems.append(("pipeline", f"{pipeline} starts {first} from model.policy {cfg['model']['policy']!r}, a preset "
                          "(random weights); set model.policy to a model folder or hub id, or put sft first"))
     return problems
-
-
-def _models_leaf(name: str) -> ModuleType:
-    """`posttrain/models/<name>.py` (a module that imports nothing of torch) without the package's `__init__`,
-    which imports the model code and torch: planning stays light."""
-    if name not in _LEAVES:
-        path = Path(__file__).resolve().parents[1] / "models" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"_posttrain_models_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _LEAVES[name] = module
-    return _LEAVES[name]
-
-
-def _is_preset_name(source: str) -> bool:
-    return source in _models_leaf("presets").PRESETS
 
 
 def _offline() -> bool:

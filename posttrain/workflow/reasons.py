@@ -1,9 +1,10 @@
 """Why a stage reruns under a new key when only code moved: the lines `snakemake -n` prints.
 
 Snakemake only sees that a planned output is missing. When an output of the same stage exists
-whose recorded config (`<key>.config.json`) equals the planned one except for its code record
-and its inputs' keys, the rerun is due to code: the line names the stage, the old and the new
-key, the modules whose hash changed (`code`) and the inputs that got a new key (`input`).
+whose recorded config (`<key>.config.json`) equals the planned one except for its code record,
+the user's files it reads and its inputs' keys, the rerun is due to those: the line names the
+stage, the old and the new key, the modules whose hash changed (`code`), the user's files whose
+content changed (`file`, by config key and path) and the inputs that got a new key (`input`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from posttrain.stage_config import CONFIG_SUFFIX
 from posttrain.workflow.plan import KEY_VERSION, Job, Plan
 
 SHOWN_MODULES = 6  # a longer list ends with "and N more"
-_ASIDE = ("key", "upstream", "code")
+_ASIDE = ("key", "upstream", "code", "files")
 
 
 def rerun_reasons(plan: Plan) -> list[str]:
@@ -66,15 +67,27 @@ def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
 
 
+def _where(record: Mapping[str, Any]) -> str:
+    """A changed file's path (relative to the working directory when under it), module or hub id."""
+    if "path" in record:
+        path = Path(record["path"])
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+    return str(record.get("module") or record.get("hub") or "removed")
+
+
 def _reason(job: Job, previous: Mapping[str, Any]) -> str:
     old_code = previous.get("code")
     modules = _changed(old_code["modules"] if isinstance(old_code, dict) else {}, job.resolved["code"]["modules"])
     inputs = _changed(previous.get("upstream") or {}, job.resolved["upstream"])
+    files = job.resolved.get("files", {})
+    changed_files = _changed(previous.get("files") or {}, files)
     parts = []
     if modules:
         shown = ", ".join(modules[:SHOWN_MODULES])
         more = len(modules) - SHOWN_MODULES
         parts.append(f"code: {shown}" + (f" and {more} more" if more > 0 else ""))
+    if changed_files:
+        parts.append("file: " + ", ".join(f"{name} ({_where(files.get(name, {}))})" for name in changed_files))
     if inputs:
         parts.append(f"input: new key of {', '.join(inputs)}")
     if not parts:

@@ -115,7 +115,7 @@ def set_dotted(cfg: dict[str, Any], key: str, value: Any) -> None:
     node[last] = value
 
 
-def _resolve(node: Mapping[str, Any], root: Mapping[str, Any]) -> Mapping[str, Any]:
+def resolve_ref(node: Mapping[str, Any], root: Mapping[str, Any]) -> Mapping[str, Any]:
     """Follow a local `$ref` (`#/$defs/...`); the node's own keys (e.g. `default`) win."""
     ref = node.get("$ref")
     if ref is None:
@@ -123,7 +123,7 @@ def _resolve(node: Mapping[str, Any], root: Mapping[str, Any]) -> Mapping[str, A
     target: Any = root
     for part in ref.removeprefix("#/").split("/"):
         target = target[part]
-    return {**_resolve(target, root), **{k: v for k, v in node.items() if k != "$ref"}}
+    return {**resolve_ref(target, root), **{k: v for k, v in node.items() if k != "$ref"}}
 
 
 def schema_at(key: str, schema: Mapping[str, Any] | None = None) -> Mapping[str, Any] | None:
@@ -131,11 +131,11 @@ def schema_at(key: str, schema: Mapping[str, Any] | None = None) -> Mapping[str,
     root = schema if schema is not None else load_schema()
     node: Mapping[str, Any] = root
     for part in key.split("."):
-        props = _resolve(node, root).get("properties", {})
+        props = resolve_ref(node, root).get("properties", {})
         if part not in props:
             return None
         node = props[part]
-    return _resolve(node, root)
+    return resolve_ref(node, root)
 
 
 def schema_keys(schema: Mapping[str, Any] | None = None) -> list[str]:
@@ -143,7 +143,7 @@ def schema_keys(schema: Mapping[str, Any] | None = None) -> list[str]:
     root = schema if schema is not None else load_schema()
 
     def walk(node: Mapping[str, Any], prefix: str) -> Iterator[str]:
-        for name, sub in _resolve(node, root).get("properties", {}).items():
+        for name, sub in resolve_ref(node, root).get("properties", {}).items():
             key = f"{prefix}.{name}" if prefix else name
             yield key
             yield from walk(sub, key)
@@ -226,7 +226,7 @@ def _validator(root: Mapping[str, Any]):
 
 def _normalize_numbers(value: Any, node: Mapping[str, Any], root: Mapping[str, Any]) -> Any:
     """Integers where the schema says number become floats; integral floats where it says integer, ints."""
-    node = _resolve(node, root)
+    node = resolve_ref(node, root)
     if isinstance(value, dict):
         props = node.get("properties", {})
         return {k: _normalize_numbers(v, props[k], root) if k in props else v for k, v in value.items()}
