@@ -141,6 +141,13 @@ def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
+def folder_chat_template(folder: str | Path) -> str | None:
+    """The chat template a tokenizer folder brings (None: it has none, as base models often do)."""
+    folder = Path(folder)
+    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    return _read_chat_template(folder, config)
+
+
 class Tokenizer:
     """An HF tokenizer folder: encode/decode, special tokens, chat template rendering.
 

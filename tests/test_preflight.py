@@ -117,3 +117,63 @@ def test_generator_nodes_are_for_async_grpo_and_leave_the_trainer_a_node():
     ok["grpo"]["mode"] = "async"
     ok["grpo"]["resources"].update(nodes=2, generator_nodes=1)
     assert validate_config(ok)["grpo"]["resources"]["generator_nodes"] == 1
+
+
+def _model_folder(root: Path, model_type: str = "qwen3", template: bool = True) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(f'{{"model_type": "{model_type}", "vocab_size": 512}}')
+    (root / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}' if template else "{}")
+    return root
+
+
+BAD_INPUTS = {
+    "preset typo": ("model: {policy: tinyy}\n", "model.policy: 'tinyy' is not a preset (did you mean 'tiny'?)"),
+    "architecture": ("model: {policy: mistral-7b}\n", "model.policy: mistral-7b: model_type 'mistral' is not supported"),
+    "reward module": ("reward: {verifiers: ['no_such_module:score']}\n",
+                      "reward.verifiers[0]: no_such_module:score: cannot import 'no_such_module'"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_a_dry_run_names_each_bad_input_in_one_line(name, tmp_path):
+    """From a working directory of the user's own, as a researcher runs it: `snakemake -s <checkout>/Snakefile`."""
+    _model_folder(tmp_path / "mistral-7b", "mistral")
+    overlay, expected = BAD_INPUTS[name]
+    (tmp_path / "overlay.yaml").write_text(overlay)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--configfile",
+                           str(REPO / "config/smoke.yaml"), "overlay.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if expected in line]
+    assert len(lines) == 1 and lines[0].startswith("config (config/config.yaml"), proc.stdout + proc.stderr
+
+
+def test_reward_functions_are_imported_and_their_signature_checked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the stages find modules in the working directory
+    (tmp_path / "my_reward.py").write_text(
+        "def exact(completion, example):\n    return float(completion == example['answer'])\n\n"
+        "def one_arg(completion):\n    return 0.0\n\nNOT_A_FUNCTION = 3\n")
+    (tmp_path / "broken_reward.py").write_text("import no_such_dependency\n")
+    ok = copy.deepcopy(BASE)
+    ok["reward"]["verifiers"] = ["my_reward:exact"]
+    validate_config(ok)
+    text = _problems(reward={"verifiers": ["my_reward:one_arg", "my_reward:missing", "my_reward:NOT_A_FUNCTION",
+                                           "broken_reward:score"]})
+    assert "reward.verifiers[0]: my_reward:one_arg: takes (completion); a verifier is called as fn(completion: str, " \
+           "example: dict) -> float" in text
+    assert f"reward.verifiers[1]: my_reward:missing: module 'my_reward' ({tmp_path / 'my_reward.py'}) has no 'missing'" in text
+    assert "reward.verifiers[2]: my_reward:NOT_A_FUNCTION: 'NOT_A_FUNCTION' is not callable" in text
+    assert "reward.verifiers[3]: broken_reward:score: cannot import 'broken_reward' (ModuleNotFoundError: No module " \
+           "named 'no_such_dependency')" in text
+
+
+def test_model_folders_are_checked_for_an_architecture_and_a_chat_template(tmp_path):
+    assert "model.student: " + str(tmp_path / "nocfg") + ": no config.json" in _problems(
+        model={"student": str((tmp_path / "nocfg").mkdir() or tmp_path / "nocfg")})
+    base = _model_folder(tmp_path / "base", template=False)
+    text = _problems(model={"policy": str(base)})
+    assert f"model.policy: {base}: its tokenizer has no chat template" in text
+    # The tokenizer of another folder, with a template, is what data prep then uses: accepted.
+    ok = copy.deepcopy(BASE)
+    ok["model"].update(policy=str(base), tokenizer=str(_model_folder(tmp_path / "instruct")))
+    validate_config(ok)
+    assert "model.policy: 'tinyy' is not a preset (did you mean 'tiny'?)" in _problems(model={"policy": "tinyy"})

@@ -38,6 +38,15 @@ def error_text(cfg: dict) -> str:
     return str(err.value)
 
 
+def instruct_folder(tmp_path: Path, name: str = "instruct") -> str:
+    """A stand-in for an instruct model's folder: planning reads its config.json and its chat template."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 512}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    return str(folder)
+
+
 def write_table(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "ablations.tsv"
     path.write_text(textwrap.dedent(text).lstrip("\n").replace("|", "\t"))
@@ -215,7 +224,9 @@ def test_pipeline_order_is_the_dag_order():
         pipeline_order(["sft", "rlhf"])
 
 
-def test_cells_are_parsed_to_schema_types(tmp_path):
+def test_cells_are_parsed_to_schema_types(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    instruct_folder(tmp_path, "1.5")  # a model folder whose name YAML would read as a number
     table = write_table(tmp_path, """
         # comment lines and blank lines are skipped
         variant|sft.lr|data.packing|eval.pass_k|model.policy|export.push_to_hub|grpo.group_size
@@ -392,12 +403,6 @@ def job_counts(plan) -> dict[str, int]:
     return {stage: len(jobs) for stage, jobs in plan.jobs.items()}
 
 
-def instruct_folder(tmp_path: Path) -> str:
-    """A stand-in for an instruct model's folder: planning reads its config.json only."""
-    folder = tmp_path / "instruct"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 512}))
-    return str(folder)
 
 
 @pytest.mark.parametrize("pipeline, counts", [

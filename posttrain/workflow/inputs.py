@@ -34,14 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.tokenizer import TOKENIZER_FILES  # what data prep reads of a model folder
 from posttrain.utils.io import file_sha256
 from posttrain.workflow.fingerprint import fingerprint, module_hashes
 
 HASH_LENGTH = 16
 CACHE_FILE = ".posttrain/content-hashes.json"  # under the results directory
-# Files of a model folder that make its tokenizer (what data prep reads of it).
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
-                   "chat_template*")
 TOKENIZER_STAGES = ("prepare_data",)  # read model folders for their tokenizer only
 MODEL_KEYS = ("policy", "student")
 

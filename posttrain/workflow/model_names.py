@@ -5,6 +5,7 @@ native model builds. `posttrain/models/presets.py` and `args.py` import nothing 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +17,7 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 def _leaf(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_posttrain_models_{name}", MODELS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -21,12 +21,20 @@ config can break are checked here, for every variant, with the config key to cha
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.workflow.model_names import preset_names
+from posttrain.tokenizer import folder_chat_template
+from posttrain.workflow.inputs import code_search_path
+from posttrain.workflow.model_names import preset_names, supported_model_types
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout, on every stage's PYTHONPATH
 
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -144,34 +152,120 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
 
 
-def _hub_cached(repo_id: str, filename: str) -> bool:
+def _hub_file(repo_id: str, filename: str) -> Path | None:
+    """The cached copy of a hub repo's file, or None (never a download)."""
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo_id, filename), str)
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
-def model_source_problem(source: str) -> str | None:
-    """What is wrong with a model (or tokenizer) source: a local folder, a hub id (`org/name`), or a preset
-    (a bare name, which the stage resolves; the workflow does not import the models to check it)."""
+def model_source_problem(source: str, model: bool = True) -> str | None:
+    """What is wrong with a model source (`model`; else a tokenizer's): a preset, a local folder, or a hub id.
+
+    A folder (or a hub id in the local cache) must hold a config.json of an architecture the model code
+    builds; a bare name is a preset (a close one is suggested) unless the cache knows it as a hub id.
+    """
     path = Path(source).expanduser()
+    if source in preset_names():
+        return None
     if path.exists():
-        return None if path.is_dir() else f"{source}: a model source must be a folder (config.json + *.safetensors)"
+        if not path.is_dir():
+            return f"{source}: a model source must be a folder (config.json + *.safetensors)"
+        return _architecture_problem(source, path / "config.json") if model else None
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         return f"{source}: no such folder"
-    if "/" in source and _offline() and not (_hub_cached(source, "config.json") or _hub_cached(source, "tokenizer.json")):
+    config = _hub_file(source, "config.json")
+    if "/" not in source and config is None and _hub_file(source, "tokenizer.json") is None:
+        from posttrain.workflow.schema import suggest  # schema imports this module
+
+        hint = suggest(source, preset_names()) or f" (presets: {', '.join(preset_names())})"
+        return f"{source!r} is not a preset{hint}, a local folder or a hub id (owner/name)"
+    if _offline() and config is None and _hub_file(source, "tokenizer.json") is None:
         return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where there "
                 "is network (`huggingface-cli download`) or name a local folder")
+    return _architecture_problem(source, config) if model and config is not None else None
+
+
+def _architecture_problem(source: str, config: Path) -> str | None:
+    if not config.is_file():
+        return f"{source}: no config.json; a model folder holds config.json and *.safetensors"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return f"{config}: not a JSON object"
+    if model_type not in supported_model_types():
+        return f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+    return None
+
+
+def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Data prep renders every row with the tokenizer's chat template: a folder without one is refused here."""
+    key = "tokenizer" if cfg["model"]["tokenizer"] else "policy"
+    source = cfg["model"][key]
+    if source in preset_names():
+        return None  # data prep trains a BPE tokenizer with a ChatML template for presets
+    path = Path(source).expanduser()
+    folder = path if path.is_dir() else None
+    if folder is None:
+        cached = _hub_file(source, "tokenizer_config.json")
+        folder = cached.parent if cached is not None else None
+    if folder is None or folder_chat_template(folder) is not None:
+        return None
+    return (f"model.{key}", f"{source}: its tokenizer has no chat template (chat_template.jinja, chat_template.json or "
+            "tokenizer_config.json's chat_template), which data prep renders every row with; name a folder whose "
+            "tokenizer has one in model.tokenizer")
+
+
+def verifier_problem(spec: str, search: Sequence[str]) -> str | None:
+    """Whether `module:function` imports from where the stages look (`inputs.code_search_path`) and takes
+    (completion, example), as the stages call it."""
+    module_name, _, attr = spec.partition(":")
+    before = list(sys.path)
+    sys.path[:0] = [p for p in search if p not in sys.path]
+    try:
+        value: Any = importlib.import_module(module_name)
+    except Exception as err:  # the user's module: any error it raises on import is theirs to see
+        return (f"{spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); modules are looked for in the "
+                "working directory, the checkout and PYTHONPATH")
+    finally:
+        sys.path[:] = before
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            return f"{spec}: module {module_name!r} ({getattr(value, '__file__', '?')}) has no {attr!r}"
+        value = getattr(value, part)
+    if not callable(value):
+        return f"{spec}: {attr!r} is not callable"
+    try:
+        inspect.signature(value).bind("completion", {})
+    except TypeError:
+        return f"{spec}: takes {inspect.signature(value)}; a verifier is called as fn(completion: str, example: dict) -> float"
+    except ValueError:
+        pass  # no signature to read (a builtin): the stage's call will tell
     return None
 
 
 def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(config key, what is wrong) for each model, tokenizer or data source that cannot be found."""
+    """(config key, what is wrong) for each model, tokenizer, data source or reward function that cannot be
+    found or used: a missing one, an architecture the model code does not build, a tokenizer without a chat
+    template, a reward module that does not import or a function with another signature."""
     problems = []
     for key in ("policy", "student", "tokenizer"):
         source = cfg["model"].get(key)
-        why = model_source_problem(str(source)) if source else None
+        why = model_source_problem(str(source), model=key != "tokenizer") if source else None
         if why:
             problems.append((f"model.{key}", why))
+    template = chat_template_problem(cfg) if not problems else None
+    if template:
+        problems.append(template)
+    search = code_search_path(REPO)
+    for i, spec in enumerate(cfg["reward"]["verifiers"]):
+        why = verifier_problem(spec, search) if ":" in spec else None
+        if why:
+            problems.append((f"reward.verifiers[{i}]", why))
     for i, spec in enumerate(cfg["data"]["sources"]):
         path = str(spec["path"])
         local = Path(path).expanduser()
