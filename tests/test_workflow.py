@@ -437,17 +437,12 @@ def test_shipped_pipeline_examples_plan_their_shapes():
 
 
 def test_pipeline_column_varies_the_stage_graph_and_shares_the_prefix(tmp_path):
-    table = write_table(tmp_path, """
-        variant|pipeline
-        with_dpo|[sft, dpo, grpo]
-        without_dpo|[sft, grpo]
-        grpo_only|[grpo]
-    """)
+    table = REPO / "config/examples/ablations-pipeline.tsv"  # with_dpo, without_dpo, grpo_only
     plan = build_plan(cfg_with(ablations=str(table), model={"policy": instruct_folder(tmp_path)}))
     # One SFT (and its eval) shared by the two variants that start with it; grpo_only starts grpo (and its
     # reward scoring) from model.policy; each grpo starts from another model, so three of each.
     assert job_counts(plan) == {"prepare_data": 1, "sft": 1, "dpo": 1, "reward": 3, "grpo": 3, "evaluate": 5, "export": 3}
-    with_dpo, without, alone = (plan.variants[n] for n in ("with_dpo", "without_dpo", "grpo_only"))
+    with_dpo, without, alone = (plan.variants[n] for n in ("sft_dpo_grpo", "sft_grpo", "grpo_only"))
     assert with_dpo.stages["sft"] is without.stages["sft"] and "sft" not in alone.stages
     assert with_dpo.stages["grpo"].inputs["model"] is with_dpo.stages["dpo"]
     assert without.stages["grpo"].inputs["model"] is without.stages["sft"] and "model" not in alone.stages["grpo"].inputs

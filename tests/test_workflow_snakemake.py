@@ -253,3 +253,27 @@ def test_reruns_are_exact(wf):
     assert re.search(rf"^rerun reason: grpo {key} \(was {key}\): code: stages/grpo.py$",
                      output, re.M), output
     assert re.search(rf"^rerun reason: distill {key} \(was {key}\): input: new key of grpo$", output, re.M), output
+
+
+def test_a_pipeline_column_plans_the_shared_sft_once(wf):
+    """config/examples/ablations-pipeline.tsv: [sft, dpo, grpo], [sft, grpo] and [grpo] from a model folder."""
+    policy = wf.root / "instruct"
+    policy.mkdir()
+    (policy / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 512}')
+    (policy / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    counts = wf.plan("--config", f"ablations={REPO / 'config/examples/ablations-pipeline.tsv'}", "set=model.policy=instruct")
+    assert counts == Counter({"prepare_data": 1, "sft": 1, "dpo": 1, "reward": 3, "grpo": 3, "evaluate": 5,
+                              "export": 3, "variant": 3, "report": 1, "all": 1})
+
+
+def test_command_line_values_are_typed_by_the_schema(wf):
+    """`--config set=` takes dotted keys; nested `--config` values, which Snakemake reads as text, are typed."""
+    wf.plan("--config", "set=sft.steps=7; sft.lr=1e-3; pipeline=[sft]", "eval={base: true, n_prompts: 12}")
+    (sft_config,) = (wf.root / "results" / "sft").glob("*.config.json")
+    sft = json.loads(sft_config.read_text())["sft"]
+    assert sft["steps"] == 7 and sft["lr"] == 1e-3 and sft["batch_size"] == 16  # the rest of the section kept
+    evals = [json.loads(p.read_text())["eval"] for p in (wf.root / "results" / "eval").glob("*.config.json")]
+    assert len(evals) == 2 and all(e["n_prompts"] == 12 for e in evals)  # the base and sft, no other stage
+    assert not (wf.root / "results" / "dpo").exists()
+    bad = wf.snakemake("-n", "--config", "set=sft.lrr=1", check=False)
+    assert bad.returncode != 0 and "--config set=...: sft.lrr: is not a config key" in bad.output
