@@ -39,9 +39,15 @@ Each step:
 Greedy accuracy on the first `grpo.eval_prompts` rows of the `eval` split is measured before and
 after training (`posttrain.json` summary: `eval_accuracy_before`, `eval_accuracy_after`). Resume
 state lives in `<out>.resume/` (every `grpo.checkpoint_every` steps and on SIGTERM) and holds the
-policy version and the prompt feed position; rerunning the same command continues from it (an
-async run regenerates the batches it had in flight). The output is an HF model folder with
-`metrics.jsonl` and `posttrain.json`.
+policy version and the prompt feed position; rerunning the same command continues from it and
+ends with the uninterrupted run's weights and per-step metrics, bitwise. An async run's checkpoint
+also holds the work its generators had in flight: each ticket (prompt batch) dispatched and not
+yet trained on, with the policy version sampling it, and the weights of those versions (at most
+`grpo.max_staleness` of them, in `generator-weights/`). The resumed run dispatches those tickets
+again first, each with its own version's weights (its prompts and sampling seed follow from the
+ticket alone), so it trains on exactly the batches the uninterrupted run sampled
+(`tests/test_async_resume.py`). The output is an HF model folder with `metrics.jsonl` and
+`posttrain.json`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import torch
 # Slurm cluster), longest first; every other file keeps its collection order after them. xdist
 # queues a worker's next file once at most two tests of its current one are left, so inside a
 # file the tests that declare a longer timeout than the suite's go first: no file waits behind them.
-LONGEST_FILES = ("test_distill.py", "test_grpo.py", "test_dpo_stage.py", "test_slurm.py", "test_reliability.py")
+LONGEST_FILES = ("test_distill.py", "test_grpo.py", "test_dpo_stage.py", "test_slurm.py", "test_reliability.py",
+                 "test_async_resume.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -44,10 +44,13 @@ def write_config(cfg: dict[str, Any], path: Path) -> Path:
 def env_for(threads: int = 1, **extra: str) -> dict[str, str]:
     """Environment of a stage process, one torch thread by default: test files run two at a time
     (conftest.py), and a fixed thread count keeps the stages' float reductions, so their results,
-    the same whether the suite runs in parallel or not."""
+    the same whether the suite runs in parallel or not. The checkout comes first on `PYTHONPATH`
+    (also when a test adds its own folder there), so a stage imports this checkout's `posttrain`,
+    not whichever one is installed."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), **extra}
     env.pop("POSTTRAIN_TEST_SIGKILL_AT_STEP", None)
     env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

@@ -288,6 +288,65 @@ def test_ray_collector_trains_each_step_on_the_version_max_staleness_behind(mode
     assert ray.killed == 2
 
 
+def _inline_collector(model, tok, max_staleness, feed_state=None):
+    """A RayCollector over two inline actors, each with its own copy of `model` (version 0)."""
+    import copy
+
+    from posttrain.rl.ray_collect import GeneratorActor
+
+    def make(spec, threads):
+        actor = GeneratorActor.__new__(GeneratorActor)
+        actor.worker, actor.applied = make_worker(copy.deepcopy(model), tok, group_size=2, max_new_tokens=4), []
+        return actor
+
+    feed = PromptFeed(Batches(prompt_dataset(tok), 2, prompt_collate, seed=0), seed=1)
+    if feed_state is not None:
+        feed.load_state_dict(feed_state)
+    return RayCollector(InlineRay(make), spec=None, feed=feed, num_generators=2, max_staleness=max_staleness), feed
+
+
+def _checkpoint(collector, feed, ticket):
+    """What the GRPO stage's resume state keeps of a collector after the step that trained `ticket`."""
+    in_flight = collector.in_flight()
+    return {"feed": feed.state_after(ticket), "in_flight": in_flight,
+            "earlier": {v: {k: t.clone() for k, t in collector.weights_of(v).items()} for _, v in in_flight if v > 0}}
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_resumed_ray_collector_samples_its_tickets_in_flight_again_with_their_own_versions(model, tok, max_staleness):
+    """Checkpoint after step 2, resume, checkpoint again after step 3 (its in-flight work partly sampled by a
+    version the resume loaded), resume again: every step gets the uninterrupted run's rollouts, token for token."""
+    gen = torch.Generator().manual_seed(0)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    noise = [{k: torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(8)]
+    states = [start] + [{k: v + 0.3 * n[k] for k, v in start.items()} for n in noise[1:]]  # policy version v's weights
+
+    def step(collector, version):
+        rollouts, _ = collector.next(version)
+        collector.push_weights(states[version + 1], version + 1)
+        return rollouts.ticket, rollouts.version, [(g.completions, g.logprobs) for g in rollouts.payload]
+
+    collector, feed = _inline_collector(model, tok, max_staleness)
+    whole = [step(collector, version) for version in range(6)]
+    assert [v for _, v, _ in whole] == [max(0, t - max_staleness) for t in range(6)]
+    assert len({str(c) for _, _, c in whole}) == 6  # the versions and prompts differ: so do the samples
+    collector, feed = _inline_collector(model, tok, max_staleness)
+    resumed = [step(collector, version) for version in range(2)]
+    state = _checkpoint(collector, feed, ticket=2)
+    assert [v for _, v in state["in_flight"]] == [max(0, t - 1 - max_staleness) for t in range(3, 3 + max_staleness)]
+    for version, stop in ((2, 3), (3, 6)):  # resume after step 2, checkpoint after 3; resume after 3, run to 6
+        collector, feed = _inline_collector(model, tok, max_staleness, state["feed"])
+        collector.start_at(states[version], version, state["in_flight"], state["earlier"])
+        resumed += [step(collector, v) for v in range(version, stop)]
+        state = _checkpoint(collector, feed, ticket=stop)
+    assert resumed == whole
+    assert collector.buffer.dropped == []
+    # the versions of the tickets in flight at step 3, then the trainer's (3), then pushed 4..6
+    assert all(applied == list(range(3 - max_staleness, 7)) for applied in collector.versions())
+    with pytest.raises(ValueError, match="no weights of policy version"):
+        _inline_collector(model, tok, max_staleness, state["feed"])[0].start_at(states[6], 6, [(7, 5)], {})
+
+
 def test_split_groups_and_ray_environment(monkeypatch):
     assert split_groups(list(range(6)), 1, 3) == [2, 3]
     with pytest.raises(ValueError, match="do not split"):

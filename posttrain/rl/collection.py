@@ -13,6 +13,10 @@
 
 Both are resumable (`state_dict` / `load_state_dict`: the policy version and the prompt feed
 behind the last step trained) and give the held-out evaluation a worker at the trainer's weights.
+The async one also keeps the work it had in flight: each ticket dispatched and not yet trained on
+with the policy version sampling it, and (`save_files` / `load_files`, in the checkpoint
+directory) the weights of those versions, so a resumed run samples exactly those tickets again
+with exactly those weights before it goes on (`RayCollector.start_at`).
 
 DAPO's dynamic sampling (`grpo.dynamic_sampling`) is theirs alike: a group whose rewards are all
 equal has no advantage to learn from, so it is dropped and the step drawn up again from the next
@@ -28,6 +32,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +48,11 @@ from posttrain.rl.weights import policy_weights
 from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
 PromptLoader = Callable[[int, int], Batches]  # (rank, world size) -> the prompt batches of that shard
+GENERATOR_WEIGHTS = "generator-weights"  # checkpoint subfolder: weights of the versions sampling work in flight
+
+
+def _weights_file(directory: Path, version: int) -> Path:
+    return directory / GENERATOR_WEIGHTS / f"version-{version:08d}.pt"
 
 
 @dataclass
@@ -203,11 +213,44 @@ class AsyncCollection(_Collection):
                                           gpus_per_generator=float(grpo["generator_gpus"]))
         self.eval_worker = build_worker(dataclasses.replace(spec, backend="native"))
         self._started_s = 0.0
+        self._in_flight: list[tuple[int, int]] = []  # resume: (ticket, version) to sample again, and
+        self._earlier: dict[int, dict[str, torch.Tensor]] = {}  # the weights of those versions
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.collector is None:
+            return super().state_dict()
+        return {**super().state_dict(), "in_flight": self.collector.in_flight(),
+                "dropped": [list(d) for d in self.collector.buffer.dropped]}
+
+    def save_files(self, directory: Path) -> None:
+        """The weights of every policy version (> 0) that samples work in flight, into `directory` (rank 0)."""
+        if self.collector is None:
+            return
+        versions = sorted({v for _, v in self.collector.in_flight() if v > 0})
+        if versions:
+            (directory / GENERATOR_WEIGHTS).mkdir()
+        for version in versions:
+            torch.save(dict(self.collector.weights_of(version)), _weights_file(directory, version))
+
+    def load_files(self, directory: Path) -> None:
+        """The weights `save_files` left in `directory`, for the tickets a resumed run samples again."""
+        if self.collector is None:
+            return
+        for path in sorted((directory / GENERATOR_WEIGHTS).glob("version-*.pt")):
+            self._earlier[int(path.stem.split("-")[1])] = torch.load(path, map_location="cpu", weights_only=True)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.collector is not None:
+            self._in_flight = [(int(t), int(v)) for t, v in state["in_flight"]]
+            self.collector.buffer.dropped = [(int(t), int(v)) for t, v in state["dropped"]]
+        super().load_state_dict(state)
 
     def _start_at(self, version: int) -> None:
         weights = policy_weights(self.model, every_rank=False)
         if self.collector is not None:
-            self.collector.start_at(weights, version)
+            # the feed stands at the first ticket in flight: those go out again before the trainer's version
+            self.collector.start_at(weights, version, self._in_flight, self._earlier)
+            self._in_flight, self._earlier = [], {}
 
     def ready(self) -> float:
         if self.collector is not None:

@@ -7,11 +7,21 @@
       ray.put(weights) -> update_weights(ref, v + 1) -> every actor, checked: exactly one version up
 
 Work goes out only while the buffer (`posttrain.rl.buffer`) has a free slot; its capacity,
-`max_staleness + 1` step batches, is how far generation runs ahead of training. An actor runs
-its calls one at a time in the order the trainer made them, so work dispatched after the push of
-version v is sampled with version v exactly: the rollouts trained at step t come from version
-max(0, t - 1 - max_staleness) and the version sequence depends only on the config, not on
-timing. Batches are handed to the trainer in dispatch order (`StalenessBuffer.take`).
+`max_staleness + 1` step batches, is how far generation runs ahead of training. A slot freed by
+the trainer's take is refilled at its next request, so the trainer's version at the dispatch of
+every ticket follows from the sequence of takes and pushes alone, never from timing. An actor
+runs its calls one at a time in the order the trainer made them, so work dispatched after the
+push of version v is sampled with version v exactly (checked on every batch that arrives):
+without dynamic sampling the rollouts trained at step t come from version
+max(0, t - 1 - max_staleness). Batches are handed to the trainer in dispatch order
+(`StalenessBuffer.take`), and a batch is a pure function of its ticket (prompts and seed from the
+feed) and that version's weights.
+
+Resume: `in_flight` lists the tickets dispatched but not yet trained on, each with its version,
+and `weights_of` gives those versions' weights (the collector keeps an object-store reference to
+every version still referenced by work in flight). A run resumed from them (`start_at` with
+`in_flight` and `earlier`) dispatches the same tickets again, each after loading its version,
+before it loads the trainer's: it regenerates exactly what the uninterrupted run sampled.
 
 Ray is an optional extra (`pip install posttrain[ray]`). A local cluster binds 127.0.0.1
 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set before ray is imported) and runs without an auth
@@ -23,14 +33,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from posttrain.generation.backend import Weights
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts
-from posttrain.rl.collect import PromptFeed
+from posttrain.rl.collect import PromptFeed, WorkItem
 from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
 
 RAY_INSTALL_HINT = "grpo.mode: async needs Ray: `pip install posttrain[ray]` (ray==2.60.0), or set grpo.mode: sync"
@@ -129,25 +139,70 @@ class RayCollector:
         self.pending: dict[Any, int] = {}  # result ref -> actor index
         self.load = [0] * num_generators  # outstanding work per actor
         self.acks: list[Any] = []  # refs of weight updates not yet confirmed
+        self.version = 0  # the last policy version sent to the actors (queued behind earlier work)
+        self.dispatched: dict[int, int] = {}  # ticket in flight -> the version it is sampled with
+        self.weight_refs: dict[int, Any] = {}  # version -> its weights in the object store, while in use
+        self.ready_s: float | None = None  # seconds waited for the actors to be built, once known
 
     def wait_ready(self) -> float:
-        """Block until every actor has built its generator; returns the seconds waited."""
-        t0 = time.perf_counter()
-        self.ray.get([a.versions.remote() for a in self.actors])
-        return time.perf_counter() - t0
+        """Block until every actor has built its generator (unless `start_at` did); returns the seconds waited."""
+        if self.ready_s is None:
+            t0 = time.perf_counter()
+            self.ray.get([a.versions.remote() for a in self.actors])
+            self.ready_s = time.perf_counter() - t0
+        return self.ready_s
 
-    def start_at(self, weights: Weights, version: int) -> None:
-        """Give every actor the trainer's weights as `version` (a resumed run), before any work."""
+    def start_at(self, weights: Weights, version: int, in_flight: Sequence[tuple[int, int]] = (),
+                 earlier: Mapping[int, Weights] | None = None) -> None:
+        """Give every actor the trainer's weights as `version` (a resumed run), before any other work.
+
+        `in_flight`: the (ticket, version) pairs the checkpointed run had dispatched and not trained
+        on, in dispatch order, with `earlier` the weights of those versions (version 0, the starting
+        policy every actor is built with, needs none). They are dispatched again first, each
+        sampled with its own version, as the uninterrupted run did; the feed must stand at the
+        first of them.
+        """
+        self.wait_ready()  # every actor built before the first weights go out (later calls queue behind work)
+        earlier = dict(earlier or {})
+        for ticket, old in in_flight:
+            if old != self.version:
+                if old not in earlier:
+                    raise ValueError(f"resume state has no weights of policy version {old}, which sampled "
+                                     f"ticket {ticket} in flight at the checkpoint")
+                self._send_weights(earlier[old], old, first=True)
+            item = self.feed.next()
+            if item.step != ticket:
+                raise ValueError(f"prompt feed resumed at ticket {item.step}, the checkpoint has ticket {ticket} "
+                                 "in flight: feed position and in-flight work disagree")
+            self._send(item)
+        self._send_weights(weights, version, first=True)
+
+    def _send_weights(self, weights: Weights, version: int, first: bool = False) -> None:
+        """Queue `version` on every actor behind its earlier calls (`first`: a jump, as loaded on resume)."""
         ref = self.ray.put(weights)
-        self.ray.get([a.start_at.remote(ref, version) for a in self.actors])
+        method = "start_at" if first else "update_weights"
+        self.acks += [getattr(a, method).remote(ref, version) for a in self.actors]
+        self.version = version
+        self.weight_refs[version] = ref
+        self._forget_weights()
+
+    def _forget_weights(self) -> None:
+        """Drop the references to versions that no work in flight uses and that are not the actors' latest."""
+        used = set(self.dispatched.values()) | {self.version}
+        for version in [v for v in self.weight_refs if v not in used]:
+            del self.weight_refs[version]
+
+    def _send(self, item: WorkItem) -> None:
+        """Dispatch one ticket to the least loaded actor, sampled with the version last sent."""
+        self.buffer.reserve(item.step)
+        self.dispatched[item.step] = self.version
+        i = min(range(len(self.actors)), key=lambda a: (self.load[a], a))
+        self.pending[self.actors[i].collect.remote(item.step, item.prompts, item.seed)] = i
+        self.load[i] += 1
 
     def _dispatch(self) -> None:
         while self.buffer.free_slots() > 0:
-            item = self.feed.next()
-            self.buffer.reserve(item.step)
-            i = min(range(len(self.actors)), key=lambda a: (self.load[a], a))
-            self.pending[self.actors[i].collect.remote(item.step, item.prompts, item.seed)] = i
-            self.load[i] += 1
+            self._send(self.feed.next())
 
     def _receive(self, timeout: float | None) -> None:
         if not self.pending:
@@ -157,7 +212,19 @@ class RayCollector:
         ready, _ = self.ray.wait(list(self.pending), num_returns=num_returns, timeout=timeout)
         for ref in ready:
             self.load[self.pending.pop(ref)] -= 1
-            self.buffer.put(self.ray.get(ref))
+            item = self.ray.get(ref)
+            if item.version != self.dispatched[item.ticket]:
+                raise RuntimeError(f"ticket {item.ticket} was sampled with policy version {item.version}, dispatched "
+                                   f"after version {self.dispatched[item.ticket]}: weight updates are out of order")
+            self.buffer.put(item)
+
+    def in_flight(self) -> list[tuple[int, int]]:
+        """(ticket, policy version) of the work dispatched and not yet handed to the trainer, in dispatch order."""
+        return [(ticket, self.dispatched[ticket]) for ticket in self.buffer.order]
+
+    def weights_of(self, version: int) -> Weights:
+        """The weights sent as `version` (> 0), while work in flight still uses it."""
+        return self.ray.get(self.weight_refs[version])
 
     def _check_acks(self) -> None:
         done, self.acks = self.ray.wait(self.acks, num_returns=len(self.acks), timeout=0) if self.acks else ([], [])
@@ -171,16 +238,23 @@ class RayCollector:
             self._dispatch()
             self._receive(timeout=0)
             item = self.buffer.take(trainer_version)
+            self._forget_tickets()
             if item is not None:
                 break
             self._dispatch()  # slots freed by dropped batches
             self._receive(timeout=None)
         return item, time.perf_counter() - t0
 
+    def _forget_tickets(self) -> None:
+        """Forget the dispatch versions of tickets the buffer no longer holds (taken or dropped)."""
+        held = set(self.buffer.order)
+        for ticket in [t for t in self.dispatched if t not in held]:
+            del self.dispatched[ticket]
+        self._forget_weights()
+
     def push_weights(self, weights: Weights, version: int) -> None:
         """Send policy `version` to every actor through the object store (one copy), queued behind earlier work."""
-        ref = self.ray.put(weights)
-        self.acks += [a.update_weights.remote(ref, version) for a in self.actors]
+        self._send_weights(weights, version)
 
     def nodes(self) -> list[str]:
         """The node of each generator actor."""

@@ -52,6 +52,9 @@ from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar,
 
 
 class Resumable(Protocol):
+    """A data source's position; one that also has `save_files(directory)` / `load_files(directory)` keeps
+    files in the checkpoint directory too (written on every rank; read before `load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -137,6 +140,8 @@ class StageRun:
         self.checkpointer = Checkpointer(self.out, every=self.section["checkpoint_every"], key=self.cfg["key"])
         resumed = self.checkpointer.load(model, optimization.optimizer, optimization.scheduler, extra)
         if resumed is not None:
+            if hasattr(data, "load_files"):
+                data.load_files(resumed.path)
             data.load_state_dict(resumed.data_state["data"])
             self.before = resumed.data_state["before"]
             self.start_step, self.last_checkpoint = resumed.step, resumed.path
@@ -191,7 +196,8 @@ class StageRun:
     def _save(self, step: int) -> None:
         self.last_checkpoint = self.checkpointer.save(
             step, self._model, self._optimization.optimizer, self._optimization.scheduler,
-            {"data": self._data.state_dict(), "before": self.before}, self._extra)
+            {"data": self._data.state_dict(), "before": self.before}, self._extra,
+            write_files=getattr(self._data, "save_files", None))
 
     def seconds(self) -> float:
         """Seconds since the current step began."""

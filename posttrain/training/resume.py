@@ -5,7 +5,9 @@ Layout of `<out>.resume/` (outside the declared output, so Snakemake never delet
     metrics.jsonl            live metrics, copied into the final output
     step-00000100/           the last complete checkpoint: DCP shards of the trainable parameters
                              and optimizer state, plus `rank-<r>.json` per rank (step, data
-                             position, scheduler, python/torch RNG)
+                             position, scheduler, python/torch RNG), plus any files the data
+                             source writes beside them (async GRPO: the weights of the policy
+                             versions sampling its work in flight)
 
 A checkpoint is written into `step-N.tmp/` and renamed to `step-N/` once every rank is done, so
 a kill during saving leaves the previous checkpoint usable; only then are older ones removed.
@@ -22,7 +24,7 @@ import shutil
 import signal
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,10 +153,13 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         data_state: dict[str, Any],
         extra: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
+        write_files: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write the state after `step` atomically and drop older checkpoints; returns the directory.
 
-        `extra`: further (model, optimizer) pairs trained beside the main one (PPO's critic), by name.
+        `extra`: further (model, optimizer) pairs trained beside the main one (PPO's critic), by name;
+        `write_files`: called on every rank with the checkpoint directory being written, for state
+        that is neither tensors of a module nor JSON (it lands in the checkpoint atomically with the rest).
         """
         final = self.root / f"step-{step:08d}"
         tmp = final.with_name(final.name + ".tmp")
@@ -165,6 +170,8 @@ class Checkpointer:
         state = _states(model, optimizer, extra)
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
+        if write_files is not None:
+            write_files(tmp)
         record = {
             "step": step,
             "key": self.key,
