@@ -16,7 +16,11 @@ config can break are checked here, for every variant, with the config key to cha
   first stage other than SFT started from a model (a folder or hub id), not a preset's random weights;
 - model and data sources: a local folder or file the config names exists; a hub model id, with
   `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
-  and are left to data prep).
+  and are left to data prep); a bare model name is a preset (or a close one is suggested); a model
+  folder (or cached hub id) is of an architecture the model code builds; the tokenizer data prep
+  uses has a chat template;
+- reward functions (`reward.verifiers: module:function`): the module imports from where the stages
+  look (the working directory, the checkout, PYTHONPATH) and the function takes (completion, example).
 """
 
 from __future__ import annotations
