@@ -19,6 +19,7 @@ rule all:
 include: "workflow/rules/prepare_data.smk"
 include: "workflow/rules/sft.smk"
 include: "workflow/rules/dpo.smk"
+include: "workflow/rules/reward_model.smk"
 include: "workflow/rules/reward.smk"
 include: "workflow/rules/grpo.smk"
 include: "workflow/rules/distill.smk"

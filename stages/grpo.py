@@ -76,11 +76,12 @@ from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, local_value, max_over_ranks
 
 STAGE = "grpo"
-READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "reward.reward_model", "grpo")
+READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "grpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "model": "starting policy: the output of the stage before grpo in `pipeline` (absent: model.policy)",
-    "reward": "reward stage output (grpo_prompts.parquet, rm/); default: the data's prompts split",
+    "reward": "reward stage output (grpo_prompts.parquet); default: the data's prompts split",
+    "reward_model": "the reward_model stage's output (grpo.rm_weight, grpo.critic_init), when reward_model.source is train",
 }
 GENERATION_BATCH = 256  # sequences per native generate() call
 
@@ -196,7 +197,7 @@ def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHea
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward"))
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward", "reward_model"))
     cfg, grpo, args = run.cfg, run.section, run.args
     start = run.start_model()
     if grpo["prompts_per_step"] % run.dp_size:
@@ -219,11 +220,10 @@ def main() -> None:
     ref_head = OutputHead(reference, run.mesh, run.memory) if reference is not None else None
 
     # --- rollouts: generators (in this process, or Ray actors) fed by the reward stage's prompts ---
-    reward_model = f"{args.reward}/rm" if args.reward and cfg["reward"]["reward_model"] else None
     spec = WorkerSpec(
         backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=int(grpo["group_size"]),
         temperature=float(grpo["temperature"]), max_new_tokens=int(grpo["max_new_tokens"]),
-        verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=reward_model, rm_weight=float(grpo["rm_weight"]),
+        verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=float(grpo["rm_weight"]),
         max_batch_size=GENERATION_BATCH, max_model_len=int(cfg["data"]["max_seq_len"]) + int(grpo["max_new_tokens"]),
         seed=int(cfg["seed"]), device=str(run.device),
     )
@@ -233,8 +233,7 @@ def main() -> None:
     )
     held_out = eval_prompts(args.data, int(grpo["eval_prompts"]), run.dp_rank, run.dp_size)
 
-    critic = build_critic(grpo, start, args.reward, cfg["reward"]["reward_model"], int(cfg["seed"]),
-                          run.device, run.mesh) if ppo else None
+    critic = build_critic(grpo, start, args.reward_model, int(cfg["seed"]), run.device, run.mesh) if ppo else None
     run.resume(model, optimization, collection, extra={"critic": (critic.model, critic.optimizer)} if critic else None)
     history: list[dict[str, Any]] = []
     with collection:

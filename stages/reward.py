@@ -1,34 +1,30 @@
 """reward: sample the policy, score the samples, keep the prompts GRPO can learn from, pair best vs worst.
 
-    python stages/reward.py --config RESOLVED.json --data DATA_DIR --model POLICY_DIR --out DIR
+    python stages/reward.py --config RESOLVED.json --data DATA_DIR [--model POLICY_DIR] [--reward_model RM_DIR] --out DIR
 
-Reads the config keys in `READS` (and `loggers`, for the reward model's training), in this order:
+Reads the config keys in `READS`, in this order:
 
-1. `reward.reward_model: true`: a Bradley-Terry reward model (the policy's decoder plus a scalar
-   head) is trained for `reward.rm_steps` steps of `reward.rm_batch_size` pairs at `reward.rm_lr`
-   (warmup over the first tenth, cosine to a tenth) on the data's `preference` split, a seeded
-   tenth of which is held out; its held-out pairwise accuracy is reported before and after.
-2. `reward.samples_per_prompt` completions are sampled for each of the first `reward.n_prompts`
+1. `reward.samples_per_prompt` completions are sampled for each of the first `reward.n_prompts`
    rows of the `prompts` split (chat template with the generation prompt, stopping at the
    end-of-turn token) at `reward.temperature`, with the `reward.backend` (`native`: the KV-cache
-   sampler; `vllm`: vLLM where installed). Call c of the backend is seeded `seed + c`.
-3. Each sample is scored by every verifier in `reward.verifiers` and, when trained, by the reward
-   model; its reward is their sum. A sample is correct when the first verifier gives it full
-   credit (>= 1, as `evaluate` counts it), and a prompt's pass rate is its share of correct samples.
-   A verifier that fails names the prompt's index in the `prompts` split.
-4. GRPO prompts: those with `low < pass rate < high` for `reward.pass_rate_band: [low, high]`.
+   sampler; `vllm`: vLLM where installed) from the policy GRPO starts from (`--model`, or
+   `model.policy` when GRPO comes first in `pipeline`). Call c of the backend is seeded `seed + c`.
+2. Each sample is scored by every verifier in `reward.verifiers` and, with `--reward_model` (the
+   reward_model stage's output), by the reward model; its reward is their sum. A sample is correct
+   when the first verifier gives it full credit (>= 1, as `evaluate` counts it), and a prompt's
+   pass rate is its share of correct samples. A verifier that fails names the prompt's index in
+   the `prompts` split.
+3. GRPO prompts: those with `low < pass rate < high` for `reward.pass_rate_band: [low, high]`.
    Both ends are exclusive, so the default [0, 1] drops prompts the policy never or always solves
    (every sample gets the same reward: no group-relative signal). When no prompt is inside the
    band (a weak policy in a short pipeline), every prompt is kept so the pipeline goes on, and a
    warning on stderr and `grpo_prompts_fallback` in stats.json say so and why.
-5. On-policy pairs: for each prompt whose samples' rewards differ, the best sample (chosen) and the
+4. On-policy pairs: for each prompt whose samples' rewards differ, the best sample (chosen) and the
    worst (rejected); ties go to the earliest sample.
 
 One process (`reward.resources`: one node, at most one GPU). Resume state lives in `<out>.resume/`:
-the reward model's checkpoints (every `reward.checkpoint_every` steps and on SIGTERM, with the
-non-finite guard `reward.skip_nonfinite`), the trained reward model, and every finished sampling
-call (each call is seeded on its own, so a rerun skips the finished ones and gives the same
-output); rerunning the same command continues from it.
+every finished sampling call (each call is seeded on its own, so a rerun skips the finished ones
+and gives the same output); rerunning the same command continues from it.
 
 Output (written to a temporary sibling and renamed when complete; identical for the same seed):
     rollouts.parquet      one row per sample: prompt_index, prompt_id, sample, prompt (rendered
@@ -40,70 +36,42 @@ Output (written to a temporary sibling and renamed when complete; identical for 
                           task, answer, example) plus prompt_index and pass_rate
     pairs.parquet         prompt (messages), chosen, rejected (completion texts), their rewards,
                           prompt_index, prompt_id: the `preference` source format DPO reads
-    rm/                   the reward model (HF sequence-classification folder), when trained
-    stats.json            counts, means and the reward model's accuracy
+    stats.json            counts and means
     posttrain.json        provenance, with throughput (rollouts/s) and wall times
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
-from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import load_split
 from posttrain.evaluation.scoring import is_correct
 from posttrain.generation import GenerationBackend, SamplingParams
 from posttrain.generation.backend import build_backend
-from posttrain.losses.bradley_terry import bradley_terry_loss
-from posttrain.rewards import (
-    RewardModel,
-    VerifierError,
-    load_reward_model,
-    load_verifiers,
-    save_reward_model,
-    score,
-    score_sequences,
-    scored_lengths,
-)
+from posttrain.rewards import VerifierError, load_reward_model, load_verifiers, score, score_sequences
 from posttrain.training.faults import kill_if_requested
 from posttrain.training.harness import StageRun, run_main
-from posttrain.training.resume import ResultLog, resume_dir
+from posttrain.training.resume import ResultLog
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
-READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "reward")  # data.max_seq_len: the vLLM context
+READS = ("seed", "model.policy", "data.max_seq_len", "reward")  # data.max_seq_len: the vLLM context
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
-INPUTS = {"data": "prepare_data output (results/data/<key>)", "model": "the policy grpo starts from (absent: model.policy)"}
-RM_HELD_OUT = 0.1  # share of preference pairs held out for the reward model's accuracy
-RM_EVAL_BATCH = 64
-RM_EVAL_EVERY = 25  # steps between held-out accuracy measurements (and at the last step)
-
-
-def rm_training(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The reward model's training settings, as the harness takes a stage's section (no steps without one)."""
-    reward = cfg["reward"]
-    return {
-        "steps": reward["rm_steps"] if reward["reward_model"] else 0, "batch_size": reward["rm_batch_size"],
-        "grad_accum": 1, "lr": reward["rm_lr"], "warmup_steps": reward["rm_steps"] // 10, "min_lr_ratio": 0.1,
-        "max_grad_norm": None if cfg["memory"]["optimizer_in_backward"] else 1.0,
-        "skip_nonfinite": reward["skip_nonfinite"], "checkpoint_every": reward["checkpoint_every"],
-        "log_every": reward["log_every"],
-    }
+INPUTS = {
+    "data": "prepare_data output (results/data/<key>)",
+    "model": "the policy grpo starts from (absent: model.policy)",
+    "reward_model": "the reward_model stage's output, when reward_model.source is train",
+}
 
 
 def pass_rate_band(reward_cfg: dict[str, Any]) -> tuple[float, float]:
@@ -119,84 +87,6 @@ def policy_key(model_dir: str) -> str | None:
         return read_provenance(model_dir).get("key")
     except FileNotFoundError:
         return None
-
-
-# --- 1. reward model --------------------------------------------------------------------------
-
-
-def pair_rewards(model: RewardModel, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) rewards of a preference batch, in one forward over both sides."""
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]]).to(device)
-    lengths = torch.cat([scored_lengths(batch["chosen_labels"]), scored_lengths(batch["rejected_labels"])]).to(device)
-    rewards = model(ids, lengths)
-    return rewards.chunk(2)
-
-
-@torch.no_grad()
-def pairwise_accuracy(model: RewardModel, pairs: Any, pad_id: int, device: torch.device) -> float:
-    """Share of pairs whose chosen completion out-scores the rejected one (ties count as wrong)."""
-    model.eval()
-    wins = []
-    for batch in Batches(pairs, RM_EVAL_BATCH, preference_collate(pad_id), seed=0, shuffle=False, loop=False):
-        chosen, rejected = pair_rewards(model, batch, device)
-        wins += (chosen > rejected).tolist()
-    model.train()
-    return float(np.mean(wins))
-
-
-def train_reward_model(run: StageRun, model_dir: str) -> tuple[RewardModel, dict[str, Any]]:
-    """Bradley-Terry training on the `preference` split; returns the model and its accuracy numbers."""
-    data_dir, seed, pad_id, device = run.args.data, run.cfg["seed"], run.tokenizer.pad_id, run.device
-    model = load_reward_model(model_dir, device=device)
-    pairs = load_split(data_dir, "preference")
-    order = np.random.default_rng([seed, len(pairs)]).permutation(len(pairs))
-    n_held = max(1, int(len(pairs) * RM_HELD_OUT))
-    if len(pairs) - n_held < run.section["batch_size"]:
-        raise ValueError(
-            f"{data_dir}/preference: {len(pairs)} pairs leave fewer than reward.rm_batch_size "
-            f"({run.section['batch_size']}) to train on after holding out {n_held}"
-        )
-    held_out = pairs.select(np.sort(order[:n_held]))
-    train = Batches(pairs.select(np.sort(order[n_held:])), run.section["batch_size"], preference_collate(pad_id), seed=seed)
-    optimization = run.optimization(model)
-
-    run.resume(model, optimization, train)
-    before = run.measure_before(lambda: {"rm/held_out_accuracy": pairwise_accuracy(model, held_out, pad_id, device)})
-    record: dict[str, Any] = {}
-    for step in run.steps():
-        chosen, rejected = pair_rewards(model, next(train), device)
-        loss, stats = bradley_terry_loss(chosen, rejected)
-        optimization.backward(loss)
-        record = {"rm/loss": loss.item(), **{f"rm/{k}": v.item() for k, v in stats.items()}}
-        record.update({f"rm/{k}": v for k, v in optimization.step(step, record["rm/loss"]).items()})
-        if step % RM_EVAL_EVERY == 0 or step == run.total_steps:
-            record["rm/held_out_accuracy"] = pairwise_accuracy(model, held_out, pad_id, device)
-        run.log_step(record, postfix={"rm/loss": ".4f"})
-    run.metrics.close()
-    model.eval()
-    return model, {
-        "rm_held_out_accuracy_before": before["rm/held_out_accuracy"],
-        "rm_held_out_accuracy": record["rm/held_out_accuracy"],
-        "rm_train_loss_last": record["rm/loss"],
-        "rm_steps": run.total_steps,
-        "rm_train_pairs": len(pairs) - n_held,
-        "rm_held_out_pairs": n_held,
-    }
-
-
-def trained_reward_model(run: StageRun, model_dir: str) -> tuple[RewardModel, dict[str, Any], Path]:
-    """The reward model, trained now or by an earlier run of this stage that was stopped later on (its copy
-    in the resume state), with its stats and folder (HF sequence-classification layout, tokenizer, metrics)."""
-    folder = resume_dir(run.out) / "rm"
-    if (folder / "posttrain.json").is_file():
-        return load_reward_model(folder, device=run.device).eval(), read_provenance(folder)["metrics"], folder
-    model, stats = train_reward_model(run, model_dir)
-    with atomic_dir(folder) as tmp:
-        save_reward_model(model, tmp, run.tokenizer.pad_id, dtype=getattr(torch, run.cfg["model"]["dtype"]))
-        run.tokenizer.save(tmp)
-        shutil.copyfile(run.checkpointer.metrics_path, tmp / "metrics.jsonl")
-        write_provenance(tmp, run.cfg, STAGE, run.started, stats)
-    return model, stats, folder
 
 
 # --- 2. sampling ------------------------------------------------------------------------------
@@ -230,7 +120,7 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
                 log.add(call, [out.tokens, out.logprobs, out.finish_reasons])
                 if call + 1 < len(starts) and run.stop.requested():
                     run.stop.exit(call, log.path)
-                kill_if_requested(run.total_steps + call + 1)  # tests: sampling call c is step rm_steps + c + 1
+                kill_if_requested(call + 1)  # tests: sampling call c is "step" c + 1
             bar.update(len(chunk))
     done = [log.done[call] for call in range(len(starts))]
     return [t for d in done for t in d[0]], [lp for d in done for lp in d[1]], [r for d in done for r in d[2]]
@@ -252,7 +142,7 @@ def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], k: 
         raise VerifierError(e.verifier, i, examples[i], f"sample {e.index % k}: {cause}") from e.__cause__
 
 
-# --- 4./5. prompt filter and pairs ------------------------------------------------------------
+# --- 3./4. prompt filter and pairs ------------------------------------------------------------
 
 
 def grpo_prompts(rates: pd.DataFrame, band: tuple[float, float]) -> tuple[pd.Series, str | None]:
@@ -335,7 +225,7 @@ def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd
 
 
 def main() -> None:
-    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",), section=rm_training, one_process=True)
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward_model"), one_process=True, training=False)
     start = run.start_model()
     cfg, reward, args, tok = run.cfg, run.cfg["reward"], run.args, run.tokenizer
     band = pass_rate_band(reward)
@@ -349,14 +239,9 @@ def main() -> None:
     key = policy_key(start)
     timing: dict[str, float] = {}
 
-    # 1. the reward model
-    rm, rm_stats, rm_folder = None, {}, None
-    if reward["reward_model"]:
-        t0 = time.perf_counter()
-        rm, rm_stats, rm_folder = trained_reward_model(run, start)
-        timing["rm_train_s"] = time.perf_counter() - t0
+    rm = load_reward_model(args.reward_model, device=run.device).eval() if args.reward_model else None
 
-    # 2./3. samples and their rewards
+    # 1./2. samples and their rewards
     params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
                             stop_token_ids=tok.eos_ids)
     prompt_ids = [list(r["prompt_ids"]) for r in rows]
@@ -372,7 +257,7 @@ def main() -> None:
     rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components,
                              reward["verifiers"][0], k, tok, key)
 
-    # 4./5. GRPO prompts and on-policy pairs
+    # 3./4. GRPO prompts and on-policy pairs
     rates = pass_rates(rollouts, rows, k)
     keep, fallback = grpo_prompts(rates, band)
     if fallback:
@@ -399,13 +284,10 @@ def main() -> None:
         "pairs": len(pairs),
         "response_len_mean": statistics.fmean(lengths),
         "truncated": statistics.fmean(r == "length" for r in reasons),
-        **rm_stats,
     }
     timing["rollouts_per_s"] = len(tokens) / timing["sample_s"]
     timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
     with atomic_dir(args.out) as out:
-        if rm_folder is not None:
-            shutil.copytree(rm_folder, out / "rm")
         rollouts.to_parquet(out / "rollouts.parquet", index=False)
         rates.to_parquet(out / "pass_rates.parquet", index=False)
         kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)

@@ -67,12 +67,12 @@ def grpo_config(key: str, data: dict[str, Any] | None = None, reward: dict[str, 
 
 
 def run_grpo(cfg: dict[str, Any], data: Path, model: Path, out: Path, check: bool = True, threads: int = 1,
-             nproc: int = 1, **env: str) -> subprocess.CompletedProcess:
+             nproc: int = 1, reward_model: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     config = write_config(cfg, out.parent / f"{out.name}.json")
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc-per-node", str(nproc)]
     command = [*launcher, str(GRPO_SCRIPT), "--config", str(config), "--data", str(data), "--model", str(model),
-               "--out", str(out)]
+               "--out", str(out), *(["--reward_model", str(reward_model)] if reward_model else [])]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env_for(threads=threads, **env),
                           timeout=1800)
     if check and proc.returncode != 0:

@@ -11,6 +11,8 @@ import torch
 
 from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, starting_policy, step_records, summary
 from sft_testing import ROOT, weights
+from posttrain.rewards import load_reward_model, save_reward_model
+from posttrain.tokenizer import Tokenizer
 from posttrain.training.resume import resume_dir
 
 # The test budget: the default grpo section (steps, prompts, group size, ...) with a smaller eval, at the
@@ -144,7 +146,27 @@ def test_ppo_trains_its_critic_and_resumes_both_bitwise(nproc, tmp_path):
     assert [r["value_loss"] for r in step_records(killed)] == [r["value_loss"] for r in records]
     cfg["grpo"]["critic_init"] = "reward_model"
     proc = run_grpo(cfg, data, model, tmp_path / "no-rm", check=False, **env)
-    assert proc.returncode != 0 and "critic_init: reward_model needs the reward stage's model" in proc.stderr + proc.stdout
+    assert proc.returncode != 0 and "critic_init: reward_model needs a reward model" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_a_reward_model_starts_the_critic_and_adds_its_weighted_score(tmp_path):
+    """The reward_model stage's folder (`--reward_model`): PPO's critic starts from it and `grpo.rm_weight` adds its
+    score to every sample's reward, so the sampled rewards differ from the verifier's alone."""
+    data, model = random_policy(tmp_path)
+    rm = tmp_path / "rm"
+    torch.manual_seed(1)
+    save_reward_model(load_reward_model(model), rm, Tokenizer(data / "tokenizer").pad_id, dtype=torch.float32)
+    cfg = grpo_config("rm", data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=2,
+                      checkpoint_every=2, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_prompts=4,
+                      advantage="gae", critic_init="reward_model", lr=1e-3)
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    run_grpo(cfg, data, model, tmp_path / "critic", reward_model=rm, **env)
+    cfg["grpo"]["rm_weight"] = 0.5
+    run_grpo(cfg, data, model, tmp_path / "weighted", reward_model=rm, **env)
+    alone, weighted = step_records(tmp_path / "critic"), step_records(tmp_path / "weighted")
+    assert all(r["value_loss"] > 0 for r in alone)
+    assert alone[0]["reward_mean"] != weighted[0]["reward_mean"]  # the same samples (step 1), another reward
 
 
 @pytest.mark.slow

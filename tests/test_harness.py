@@ -133,14 +133,17 @@ def _inputs(stage: str) -> set[str]:
 def test_each_stage_declares_the_inputs_the_plan_gives_it():
     """Every flag the plan names a job's inputs by (which `stage_args` passes as `--<flag> <path>`) is in its
     script's INPUTS: the training stages, every evaluation, the export, and prepare_data (no inputs)."""
-    variant = build_plan(load_config(ROOT / "config" / "config.yaml")).variants["default"]
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    cfg["reward_model"]["source"] = "train"
+    variant = build_plan(cfg).variants["default"]
     jobs = variant.jobs()
-    assert {job.stage for job in jobs} == {"prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export"}
+    assert {job.stage for job in jobs} == {"prepare_data", "sft", "dpo", "reward_model", "reward", "grpo", "distill",
+                                           "evaluate", "export"}
     assert len(variant.evals) == 4  # one evaluation per model stage
     for job in jobs:
         given = set(job.inputs)
         assert given <= _inputs(job.stage), (job.stage, given, _inputs(job.stage))
-        if job.stage in ("sft", "dpo", "reward", "grpo", "distill", "evaluate"):
+        if job.stage in ("sft", "dpo", "reward_model", "reward", "grpo", "distill", "evaluate"):
             assert "data" in given, (job.stage, given)
     assert set(variant.stages["prepare_data"].inputs) == _inputs("prepare_data") == set()
     assert set(variant.export.inputs) == {"model", "eval"}

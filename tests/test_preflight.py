@@ -69,7 +69,8 @@ def test_ppo_and_kto_settings_the_stages_refuse_are_refused_at_plan_time():
                            "resources": {"procs": 2}}, dpo={"loss": "kto", "pairs": "on_policy"}, parallel={"tp": 2})
     assert "parallel.tp: 2: PPO (grpo.advantage: gae) shards its critic with data parallelism only" in text
     assert "grpo.ratio: sequence: PPO's advantages are per token" in text
-    assert "grpo.critic_init: reward_model: the reward stage trains no reward model" in text
+    assert "grpo.critic_init: reward_model: there is no reward model; set reward_model.source: train" in text
+    assert "grpo.rm_weight: 0.5: there is no reward model to weigh" in _problems(grpo={"rm_weight": 0.5})
     assert "dpo.pairs: on_policy: KTO (dpo.loss: kto) trains on the prepared unpaired split" in text
 
 

@@ -1,5 +1,6 @@
-"""The reward stage end to end on a small sort task: reward model accuracy and export, determinism,
-the pass-rate band, on-policy pairs, and verifier errors naming the prompt."""
+"""The reward_model and reward stages end to end on a small sort task: reward model accuracy and its
+folder scored as transformers does, determinism, the pass-rate band, on-policy pairs, and verifier errors
+naming the prompt."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "data": tmp / "data", "policy": policy, "tok": tok, "rows": rows}
 
 
-def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, seed: int = 1234, **reward: Any) -> Path:
+def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, seed: int = 1234,
+              reward_model: Path | None = None, **reward: Any) -> Path:
     settings = {"n_prompts": 8, "samples_per_prompt": K, "max_new_tokens": 8, "verifiers": ["user_verifiers:even_length"],
                 **reward}
     cfg = _config("reward", f"reward-{out.name}", data=DATA, reward=settings)
@@ -93,27 +95,41 @@ def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch,
     config = out.parent / f"{out.name}.json"
     config.write_text(json.dumps(cfg))
     monkeypatch.syspath_prepend(str(setup["tmp"]))
-    run_script("reward", ["--config", config, "--data", setup["data"], "--model", setup["policy"], "--out", out],
+    rm = ["--reward_model", reward_model] if reward_model else []
+    run_script("reward", ["--config", config, "--data", setup["data"], "--model", setup["policy"], *rm, "--out", out],
+               monkeypatch)
+    return out
+
+
+def train_reward_model(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, **section: Any) -> Path:
+    cfg = _config("reward_model", f"rm-{out.name}", data=DATA, reward_model={"source": "train", **section})
+    config = out.parent / f"{out.name}.json"
+    config.write_text(json.dumps(cfg))
+    run_script("reward_model", ["--config", config, "--data", setup["data"], "--model", setup["policy"], "--out", out],
                monkeypatch)
     return out
 
 
 @pytest.mark.slow
 def test_reward_model_accuracy_and_transformers_parity(setup, tmp_path, monkeypatch):
+    """The reward_model stage learns the task's preferences; the reward stage scores samples with it, as
+    transformers' sequence classifier does."""
     transformers = pytest.importorskip("transformers")
-    out = run_stage(setup, tmp_path / "rm", monkeypatch, reward_model=True, rm_steps=250, rm_lr=3e-3)
-    stats = json.loads((out / "stats.json").read_text())
-    assert stats["rm_held_out_pairs"] == 60 and stats["rm_train_pairs"] == 540
-    assert stats["rm_held_out_accuracy_before"] < 0.75
-    assert stats["rm_held_out_accuracy"] >= 0.9, stats
-    records = [json.loads(line) for line in (out / "rm" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(251)) and "rm/loss" in records[-1]
+    rm = train_reward_model(setup, tmp_path / "rm", monkeypatch, steps=250, lr=3e-3, warmup_steps=25)
+    stats = json.loads((rm / "posttrain.json").read_text())["metrics"]
+    assert stats["held_out_pairs"] == 60 and stats["train_pairs"] == 540
+    assert stats["held_out_accuracy_before"] < 0.75
+    assert stats["held_out_accuracy"] >= 0.9, stats
+    records = [json.loads(line) for line in (rm / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(251)) and "loss" in records[-1]
+    assert not (tmp_path / "rm.resume").exists()
 
-    # The exported folder is a sequence classifier that transformers scores exactly as the stage did.
-    config = json.loads((out / "rm" / "config.json").read_text())
+    # The folder is a sequence classifier that transformers scores exactly as the reward stage did.
+    out = run_stage(setup, tmp_path / "scored", monkeypatch, reward_model=rm)
+    config = json.loads((rm / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"] and config["num_labels"] == 1
     rollouts = pd.read_parquet(out / "rollouts.parquet")
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out / "rm").eval()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(rm).eval()
     pad = setup["tok"].pad_id
     sequences = [list(p) + list(c) for p, c in zip(rollouts["prompt_ids"], rollouts["completion_ids"])]
     width = max(map(len, sequences))

@@ -427,6 +427,15 @@ def test_pipeline_plans_its_stages_each_from_the_one_before(pipeline, counts, tm
     assert v.previous()[pipeline[0]] is None and all(v.previous()[b] == a for a, b in zip(pipeline, pipeline[1:]))
 
 
+def test_a_trained_reward_model_is_its_own_stage_before_reward_scoring_and_grpo():
+    v = build_plan(cfg_with(reward_model={"source": "train"})).variants["default"]
+    rm, reward, grpo = (v.stages[s] for s in ("reward_model", "reward", "grpo"))
+    assert rm.inputs == {"data": v.stages["prepare_data"], "model": v.stages["dpo"]}  # from grpo's starting policy
+    assert reward.inputs["reward_model"] is rm and grpo.inputs["reward_model"] is rm
+    assert "reward_model" not in build_plan(cfg_with()).variants["default"].stages  # source null: no such job
+    assert rm.resolved["reward_model"]["source"] == "train" and "reward_model" not in v.stages["sft"].resolved
+
+
 def test_shipped_pipeline_examples_plan_their_shapes():
     shapes = {"sft-only.yaml": ["sft"], "dpo-only.yaml": ["dpo"], "grpo-from-instruct.yaml": ["grpo"],
               "sft-grpo.yaml": ["sft", "grpo"]}

@@ -15,7 +15,7 @@ from posttrain.workflow.layout import pipeline_order
 OBJECTIVES: dict[str, tuple[str, ...]] = {
     "sft": ("loss", "eval_loss"),  # stages/sft.py: training CE per step; held-out CE at step 0 and the last step
     "dpo": ("rewards/accuracy", "rewards/margin"),  # stages/dpo.py STEP_METRICS: implicit-reward win rate, margin
-    "reward": ("rm/loss", "rm/held_out_accuracy"),  # stages/reward.py, only when reward.reward_model is on
+    "reward_model": ("loss", "held_out_accuracy"),  # stages/reward_model.py (reward_model.source: train)
     "grpo": ("reward_mean", "kl", "entropy"),  # posttrain.rl.rollout stats; `kl` only when grpo.kl_coef > 0
     "distill": ("divergence", "eval_divergence"),  # stages/distill.py: KD divergence per step; held-out, first/last
 }

@@ -25,7 +25,6 @@ from posttrain.rewards.reward_model import RewardModel, load_reward_model
 from posttrain.training.faults import SettingError
 from posttrain.training.setup import max_grad_norm
 
-CRITIC_INITS = ("policy", "reward_model")
 
 
 class ValueModel(RewardModel):
@@ -70,18 +69,16 @@ class Critic:
         return norm
 
 
-def build_critic(grpo: Mapping[str, Any], policy_dir: str, reward_dir: str | None, reward_model: bool, seed: int,
+def build_critic(grpo: Mapping[str, Any], policy_dir: str, reward_model_dir: str | None, seed: int,
                  device: torch.device, mesh: DeviceMesh | None = None) -> Critic:
     """The critic `grpo.critic_init` asks for, sharded over `mesh`'s data-parallel ranks; a reward-model start
-    needs the reward stage's trained model."""
+    needs the reward model's folder (the reward_model stage's output)."""
     init = grpo["critic_init"]
-    if init not in CRITIC_INITS:
-        raise SettingError(f"grpo.critic_init must be one of {CRITIC_INITS}, got {init!r}")
-    if init == "reward_model" and not (reward_dir and reward_model):
-        raise SettingError("grpo.critic_init: reward_model needs the reward stage's model (reward.reward_model: true "
-                         "and --reward)")
+    if init == "reward_model" and reward_model_dir is None:
+        raise SettingError("grpo.critic_init: reward_model needs a reward model (reward_model.source: train, which "
+                           "passes --reward_model)")
     torch.manual_seed(seed)  # the value head of a policy start
-    source = f"{reward_dir}/rm" if init == "reward_model" else policy_dir
+    source = reward_model_dir if init == "reward_model" else policy_dir
     model = load_reward_model(source, device, model_class=ValueModel)
     if mesh is not None:
         parallelize(model, mesh, {})

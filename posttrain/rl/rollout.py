@@ -80,7 +80,7 @@ class RewardFunction:
             if reward_model_dir is None or not Path(reward_model_dir).is_dir():
                 raise FileNotFoundError(
                     f"grpo.rm_weight is {self.rm_weight} but there is no reward model at {reward_model_dir} "
-                    "(set reward.reward_model: true, or grpo.rm_weight: 0)"
+                    "(set reward_model.source: train, or grpo.rm_weight: 0)"
                 )
             self.reward_model = load_reward_model(reward_model_dir).eval()
 

@@ -64,18 +64,17 @@ class StageRun:
     """One process's share of a training stage run: everything around the stage's own step."""
 
     def __init__(self, stage: str, reads: tuple[str, ...], inputs: Mapping[str, str], script: str,
-                 optional: tuple[str, ...] = (), section: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
-                 one_process: bool = False):
-        """`section`: the training settings (steps, lr, ...) when they are not the config's `<stage>` section;
-        `one_process`: a stage that runs as one process (no mesh) and refuses to start under several."""
+                 optional: tuple[str, ...] = (), one_process: bool = False, training: bool = True):
+        """`one_process`: a stage that runs as one process (no mesh) and refuses to start under several;
+        `training` False: a stage that trains nothing (reward scoring): no steps, no memory settings."""
         self.started = time.time()
         self.stage = stage
         self.args = parse_inputs(stage, inputs, optional)
         self.out = Path(self.args.out)
         self.cfg = load_stage_config(self.args.config, reads, script)
-        self.section = section(self.cfg) if section else self.cfg[stage]
-        self.memory = self.cfg["memory"]
-        self.total_steps = int(self.section["steps"])
+        self.section = self.cfg[stage]
+        self.memory = self.cfg["memory"] if training else None
+        self.total_steps = int(self.section["steps"]) if training else 0
         self.info = init_distributed()
         self.device, self.is_main = self.info.device, self.info.is_main
         if one_process and self.info.world_size > 1:

@@ -15,6 +15,7 @@ STAGE_DIRS = {
     "prepare_data": "data",
     "sft": "sft",
     "dpo": "dpo",
+    "reward_model": "reward_model",
     "reward": "reward",
     "grpo": "grpo",
     "distill": "distill",

@@ -38,7 +38,8 @@ KEY_LENGTH = 12
 KEY_PATTERN = f"[0-9a-f]{{{KEY_LENGTH}}}"
 RUN_SECTION = {"prepare_data": "data", "evaluate": "eval"}  # stage -> config section of its run settings
 # The CLI flag by which a model stage (and reward scoring) gets the model it starts from; absent: model.policy.
-START_FLAGS = {"sft": "model", "dpo": "model", "reward": "model", "grpo": "model", "distill": "teacher"}
+START_FLAGS = {"sft": "model", "dpo": "model", "reward_model": "model", "reward": "model", "grpo": "model",
+               "distill": "teacher"}
 
 
 def canonical_json(value: Any) -> str:
@@ -212,7 +213,8 @@ class Plan:
 
     def add_variant(self, variant: Variant) -> VariantPlan:
         """The variant's jobs: its `pipeline` of model stages in order, each from the model before it (the
-        first from `model.policy`), reward scoring before grpo on grpo's starting model, an eval of every
+        first from `model.policy`), before grpo the reward model (`reward_model.source: train`) and reward
+        scoring, both from grpo's starting model, an eval of every
         model stage (and of the base with `eval.base`), the export of `export.stage` or the last stage."""
         cfg = variant.config
         data = self._add("prepare_data", cfg, {})
@@ -224,7 +226,9 @@ class Plan:
             if stage == "distill" and cfg["distill"]["teacher_stage"]:
                 start = models[cfg["distill"]["teacher_stage"]]  # preflight: listed before distill
             inputs = {"data": data, **({START_FLAGS[stage]: start} if start else {})}
-            if stage == "grpo":
+            if stage == "grpo":  # its reward model and prompts come from the policy it starts from
+                if cfg["reward_model"]["source"] == "train":
+                    stages["reward_model"] = inputs["reward_model"] = self._add("reward_model", cfg, dict(inputs))
                 stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
             models[stage] = stages[stage] = previous = self._add(stage, cfg, inputs)
         evals = {BASE: self._add("evaluate", cfg, {"data": data})} if cfg["eval"]["base"] else {}

@@ -114,9 +114,19 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                 problems.append((f"{stage}.grad_accum", f"{accum}: memory.optimizer_in_backward steps every parameter "
                                  "during backward, so it cannot accumulate gradients: set it to 1"))
         if in_backward and section["max_grad_norm"]:
-            problems.append((f"{stage}.max_grad_norm", f"{section['max_grad_norm']}: memory.optimizer_in_backward frees "
-                             "each gradient right after its step, so there is no norm to clip by: set it to 0 or null"))
+            problems.append(_clipping_problem(stage, section))
+    rm = cfg["reward_model"]
+    if rm["source"] == "train" and in_backward and rm["max_grad_norm"]:
+        problems.append(_clipping_problem("reward_model", rm))
+    if cfg["grpo"]["rm_weight"] and rm["source"] is None:
+        problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
+                         "reward_model.source: train or grpo.rm_weight: 0"))
     return problems
+
+
+def _clipping_problem(stage: str, section: Mapping[str, Any]) -> tuple[str, str]:
+    return (f"{stage}.max_grad_norm", f"{section['max_grad_norm']}: memory.optimizer_in_backward frees each gradient "
+            "right after its step, so there is no norm to clip by: set it to 0 or null")
 
 
 def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -128,9 +138,9 @@ def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                              "with data parallelism only; set it to 1"))
     if grpo["ratio"] == "sequence":
         problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
-    if grpo["critic_init"] == "reward_model" and not cfg["reward"]["reward_model"]:
-        problems.append(("grpo.critic_init", "reward_model: the reward stage trains no reward model; set "
-                         "reward.reward_model: true or critic_init: policy"))
+    if grpo["critic_init"] == "reward_model" and cfg["reward_model"]["source"] is None:
+        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
+                         "or critic_init: policy"))
     return problems
 
 
