@@ -11,7 +11,7 @@ and parallelized like the student (FSDP2 / TP) but given no optimizer. The stude
 folder / hub id. Teacher, student and data must share one tokenizer and vocabulary; a mismatch
 stops the stage naming both sides.
 
-Loss (`posttrain.losses.kd_loss`): `(1 - ce_weight) * D + ce_weight * CE` with D the `distill.loss`
+Loss (`posttrain.losses.kd.kd_loss`): `(1 - ce_weight) * D + ce_weight * CE` with D the `distill.loss`
 divergence (forward_kl | reverse_kl | jsd with `jsd_beta`) at `distill.temperature` and CE the
 student's cross-entropy against the responses (the SFT split's, or the teacher's samples; on-policy
 the loss is D alone, as in GKD, since CE on the student's own samples would reinforce them), over the
@@ -57,7 +57,8 @@ from posttrain.evaluation.greedy import first_eval_rows, greedy_accuracy
 from posttrain.losses.ce import num_loss_tokens
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, non_pad_tokens

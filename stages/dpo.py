@@ -63,7 +63,8 @@ from posttrain.models import Transformer
 from posttrain.models.lora import disable_adapters
 from posttrain.parallel import barrier
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 

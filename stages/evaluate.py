@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from posttrain.training.faults import run_main
 from posttrain.checkpoint import load_hf_model, resolve_model_source
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
@@ -144,9 +145,6 @@ def main() -> None:
     ev, seed = cfg["eval"], cfg["seed"]
     verifier_specs = cfg["reward"]["verifiers"]
     verifiers = load_verifiers(verifier_specs)
-    bad_k = [k for k in ev["pass_k"] if k > ev["samples"]]
-    if bad_k:
-        raise ValueError(f"{args.config}: eval.pass_k has k={bad_k[0]} > eval.samples={ev['samples']}")
     data_dir = Path(args.data)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
@@ -206,4 +204,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(STAGE, main)

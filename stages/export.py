@@ -25,6 +25,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from posttrain.training.faults import run_main
 from posttrain.checkpoint import CheckpointError, load_hf_model, save_hf_model, weight_files
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
@@ -68,8 +69,6 @@ def main() -> None:
     started = time.time()
     cfg = load_stage_config(args.config, READS, __file__)
     ex = cfg["export"]
-    if ex["dtype"] not in DTYPES:
-        raise ValueError(f"{args.config}: export.dtype must be one of {sorted(DTYPES)}, got {ex['dtype']!r}")
     dtype = DTYPES[ex["dtype"]]
     if ex["push_to_hub"] and not ex["dry_run"]:
         hub_token()  # fail before any work when the token is missing
@@ -111,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(STAGE, main)

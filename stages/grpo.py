@@ -70,7 +70,8 @@ from posttrain.rl.critic import Critic, build_critic
 from posttrain.rl.prompts import eval_prompts, training_prompts
 from posttrain.rl.rollout import WorkerSpec
 from posttrain.training.faults import SettingError
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.training.optimization import Optimization
 from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, local_value, max_over_ranks
@@ -214,8 +215,7 @@ def main() -> None:
     model = run.build_model(start, hf_config)
     reference = run.frozen_model(start, hf_config) if grpo["kl_coef"] > 0 else None
     optimization = run.optimization(model)
-    optimization.one_micro_batch(-(-rows_per_rank // int(grpo["micro_batch_size"])),
-                                 f"set grpo.micro_batch_size >= {rows_per_rank} (prompts per process x group_size)")
+    optimization.one_micro_batch(rows_per_rank, grpo["micro_batch_size"])
     head = OutputHead(model, run.mesh, run.memory)
     ref_head = OutputHead(reference, run.mesh, run.memory) if reference is not None else None
 

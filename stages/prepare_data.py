@@ -33,7 +33,7 @@ from posttrain.data.tokenize import preference_split, prompt_split, sft_split, t
 from posttrain.models import is_preset
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
-from posttrain.training.faults import exit_on_known_errors
+from posttrain.training.faults import run_main
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
@@ -131,5 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with exit_on_known_errors(STAGE):
-        main()
+    run_main(STAGE, main)

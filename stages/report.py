@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 
+from posttrain.training.faults import run_main
 from posttrain.evaluation.curves import objective_curves
 from posttrain.evaluation.effects import effect_metrics, effects_table
 from posttrain.evaluation.machine import machine_info
@@ -65,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(STAGE, main)

@@ -57,7 +57,8 @@ from posttrain.generation import GenerationBackend, SamplingParams
 from posttrain.generation.backend import build_backend
 from posttrain.rewards import VerifierError, load_reward_model, load_verifiers, score, score_sequences
 from posttrain.training.faults import kill_if_requested
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.training.resume import ResultLog
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
@@ -72,13 +73,6 @@ INPUTS = {
     "model": "the policy grpo starts from (absent: model.policy)",
     "reward_model": "the reward_model stage's output, when reward_model.source is train",
 }
-
-
-def pass_rate_band(reward_cfg: dict[str, Any]) -> tuple[float, float]:
-    band = reward_cfg["pass_rate_band"]
-    if len(band) != 2 or not 0.0 <= band[0] < band[1] <= 1.0:
-        raise ValueError(f"reward.pass_rate_band must be [low, high] with 0 <= low < high <= 1, got {band}")
-    return float(band[0]), float(band[1])
 
 
 def policy_key(model_dir: str) -> str | None:
@@ -228,7 +222,7 @@ def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward_model"), one_process=True, training=False)
     start = run.start_model()
     cfg, reward, args, tok = run.cfg, run.cfg["reward"], run.args, run.tokenizer
-    band = pass_rate_band(reward)
+    band = tuple(reward["pass_rate_band"])  # the schema and the dry run: [low, high], low < high
     k = int(reward["samples_per_prompt"])
     split = load_split(args.data, "prompts")
     n = int(reward["n_prompts"])

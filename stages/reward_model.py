@@ -30,7 +30,8 @@ from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import Split, load_split
 from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.rewards import RewardModel, load_reward_model, save_reward_model, scored_lengths
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 

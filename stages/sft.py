@@ -22,7 +22,8 @@ import torch
 from posttrain.data.loader import Batch, length_multiple, sft_batches, to_device
 from posttrain.losses.ce import num_loss_tokens
 from posttrain.losses.head import OutputHead, summed_lm_loss
-from posttrain.training.harness import StageRun, run_main
+from posttrain.training.faults import run_main
+from posttrain.training.harness import StageRun
 from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, local_value, non_pad_tokens

@@ -46,8 +46,6 @@ def test_build_mesh_refuses_sizes_that_do_not_divide_the_world():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="does not divide the world size 3"):
         build_mesh(DistInfo(0, 3, 0, cpu), tp=2)
-    with pytest.raises(ValueError, match="dp_replicate"):
-        build_mesh(DistInfo(0, 4, 0, cpu), tp=1, dp_replicate=0)
     assert build_mesh(DistInfo(0, 1, 0, cpu)) is None  # one process without a process group
     assert data_parallel_rank(None) == (0, 1)
     with pytest.raises(ValueError, match="need a device mesh"):

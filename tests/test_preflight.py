@@ -35,7 +35,8 @@ def test_optimizer_in_backward_with_clipping_or_accumulation_is_refused_per_stag
     assert "sft.grad_accum: 2: memory.optimizer_in_backward steps every parameter during backward" in text
     for stage in ("sft", "dpo", "grpo", "distill"):
         assert f"{stage}.max_grad_norm: 1.0: memory.optimizer_in_backward frees each gradient" in text
-    assert "grpo.micro_batch_size: 64" in text and "at least 128" in text
+    assert "grpo.micro_batch_size: 64: memory.optimizer_in_backward steps during backward, so a step must be one " \
+           "micro-batch: at least 128" in text
     # null turns clipping off (the schema used to refuse the value the error message advised)
     fixed = copy.deepcopy(BASE)
     fixed["memory"]["optimizer_in_backward"] = True
@@ -51,17 +52,18 @@ def test_batches_that_do_not_split_over_the_processes_are_refused():
     assert "grpo.prompts_per_step: 16 does not split over 6 data-parallel processes" in text
     text = _problems(parallel={"tp": 2}, dpo={"method": "lora"})
     assert "dpo.method: lora: tensor parallelism does not support LoRA/QLoRA adapters" in text
-    assert "sft.resources: 1 processes, which parallel.tp (2) x parallel.cp (1) x parallel.dp_replicate (1) does not divide" in text
+    assert "sft.resources: 1 processes: parallel.tp (2) x parallel.cp (1) x parallel.dp_replicate (1) = 2 does not " \
+           "divide the world size 1" in text
 
 
 def test_expert_and_context_parallel_layouts_the_mesh_refuses_are_refused():
     text = _problems(parallel={"cp": 2, "ep": 2}, sft={"resources": {"procs": 4}})
-    assert "parallel.ep: 2 with parallel.cp 2: expert and context parallelism do not combine yet" in text
+    assert "parallel.ep: parallel.ep (2) and parallel.cp (2): expert and context parallelism do not combine yet" in text
     text = _problems(parallel={"ep": 4}, sft={"resources": {"procs": 2}})
-    assert "sft.resources: 2 processes: parallel.ep (4) does not divide their 2 FSDP shards" in text
+    assert "sft.resources: 2 processes: parallel.ep (4) must divide the 2 FSDP shards" in text
     text = _problems(parallel={"cp": 2}, sft={"resources": {"procs": 2}, "batch_size": 3})
     assert "sft.batch_size" not in text  # context-parallel ranks read the same rows: one data-parallel process
-    assert "dpo.resources: 1 processes, which parallel.tp (1) x parallel.cp (2)" in text
+    assert "dpo.resources: 1 processes: parallel.tp (1) x parallel.cp (2)" in text
 
 
 def test_ppo_and_kto_settings_the_stages_refuse_are_refused_at_plan_time():

@@ -403,7 +403,8 @@ def test_every_stage_writes_its_output_atomically():
     writes `run.out` with save_final_model and atomic_dir)."""
     for script in sorted((ROOT / "stages").glob("*.py")):
         calls = [(ast.unparse(c.func), c) for c in _calls(ast.parse(script.read_text()))]
-        atomic = any(name == "atomic_dir" and c.args and ast.unparse(c.args[0]) == "args.out" for name, c in calls)
+        atomic = any(name == "atomic_dir" and c.args and ast.unparse(c.args[0]) in ("args.out", "run.out")
+                     for name, c in calls)
         assert atomic or any(name == "run.finish" for name, _ in calls), f"{script.name}: no atomic write"
 
 

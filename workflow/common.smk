@@ -5,7 +5,7 @@ import os
 import shlex
 import sys
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 from snakemake.settings.types import DeploymentMethod
 
@@ -34,7 +34,6 @@ _checked = validate_config(
 )
 config.clear()
 config.update(_checked)
-validate(config, "schemas/config.schema.yaml")
 
 # Keys cover the code of this checkout's stages/ and posttrain/ (a copied repository keys its own), and
 # the content of the user's files each stage reads, hashed once per change (the cache under results/).

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import AdamW, Optimizer
 
+from posttrain.rules import optimizer_in_backward_problems
+
 LOW_BIT_OPTIMIZERS = (None, "adamw8bit", "adamw4bit")
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
@@ -122,16 +124,10 @@ class OptimizerInBackward(Optimizer):
 
 
 def check_optimizer_in_backward(grad_accum: int, max_grad_norm: float | None) -> None:
-    if grad_accum != 1:
-        raise ValueError(
-            f"memory.optimizer_in_backward steps every parameter during backward, so it cannot "
-            f"accumulate gradients: set grad_accum to 1 (got {grad_accum})"
-        )
-    if max_grad_norm is not None:
-        raise ValueError(
-            f"memory.optimizer_in_backward frees each gradient right after its step, so there is no "
-            f"global gradient norm to clip by: set max_grad_norm to null (got {max_grad_norm})"
-        )
+    """Refuse what optimizer-in-backward rules out (`posttrain.rules`, the dry run's rule too)."""
+    problems = optimizer_in_backward_problems(grad_accum, max_grad_norm)
+    if problems:
+        raise ValueError("; ".join(f"{setting} {why}" for setting, why in problems))
 
 
 def _named_trainable(params_or_model: nn.Module | Iterable[nn.Parameter]) -> list[tuple[str, nn.Parameter]]:

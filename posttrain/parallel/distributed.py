@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from posttrain.rules import parallel_layout_problem
+
 T = TypeVar("T")
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -83,20 +85,10 @@ def build_mesh(info: DistInfo, tp: int = 1, dp_replicate: int = 1, ep: int = 1, 
     is (`dp_replicate`, `dp_shard_mod_ep`, `ep`, `tp`) with `dp_shard` the flattened middle two; with
     `cp` > 1, (`dp_replicate`, `dp_shard`, `cp`, `tp`) with `dp_shard_cp` the flattened middle two.
     """
-    if min(tp, dp_replicate, ep, cp) < 1:
-        raise ValueError(f"parallel.tp ({tp}), parallel.dp_replicate ({dp_replicate}), parallel.ep ({ep}) and "
-                         f"parallel.cp ({cp}) must be >= 1")
-    if ep > 1 and cp > 1:
-        raise ValueError(f"parallel.ep ({ep}) and parallel.cp ({cp}) do not combine yet: set one of them to 1")
-    if info.world_size % (tp * cp * dp_replicate) != 0:
-        raise ValueError(
-            f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.dp_replicate ({dp_replicate}) = "
-            f"{tp * cp * dp_replicate} does not divide the world size {info.world_size}"
-        )
+    problem = parallel_layout_problem(info.world_size, tp, cp, dp_replicate, ep)  # the dry run's rule too
+    if problem:
+        raise ValueError(problem)
     dp_shard = info.world_size // (tp * cp * dp_replicate)
-    if dp_shard % ep:
-        raise ValueError(f"parallel.ep ({ep}) must divide the {dp_shard} FSDP shards (world size {info.world_size} "
-                         f"/ (tp {tp} x dp_replicate {dp_replicate}))")
     if not dist.is_initialized():
         if tp * dp_replicate * ep * cp > 1:
             raise ValueError(

@@ -1,10 +1,12 @@
 """The GRPO stage's view of rollout collection: one interface for sync (every rank samples) and async (Ray).
 
-    collection = build_collection(spec, prompts, grpo, run)     # sync or async, by grpo.mode
+    collection = build_collection(model, spec, prompts, grpo, seed, mesh, device, rank, world_size, is_main)
+    run.resume(model, optimization, collection)                 # the feed, the version, the work in flight
     with collection:                                            # stops the Ray actors at the end
+        collection.ready()                                      # generators built (async)
         batch = collection.next()                               # this rank's groups, stats of the step
-        ...train...
-        collection.push_weights(model)                          # policy version + 1, to the generators
+        ...train the model on it...
+        collection.push_weights()                               # the model's weights as the next policy version
 
 - `SyncCollection`: each data-parallel rank samples its own prompts with its own generator,
   holding the trainer's current weights (staleness 0).

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -148,3 +148,9 @@ def exit_on_known_errors(stage: str, extra: tuple[type[BaseException], ...] = ()
         where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
         print(f"{where}{stage}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def run_main(stage: str, main: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Every stage's entry: its expected failures (and `extra_errors`) end in one line and exit 1; OOM names the settings."""
+    with exit_on_known_errors(stage, extra_errors), explain_out_of_memory(stage):
+        main()

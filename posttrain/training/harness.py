@@ -11,7 +11,7 @@
     run.finish(model, hf_config, summary)                 # final HF folder, provenance, resume state removed
 
     if __name__ == "__main__":
-        run_main(STAGE, main)                             # known failures as one line, OOM explained
+        run_main(STAGE, main)                             # training.faults: known failures as one line, OOM explained
 
 Resume state lives in `<out>.resume/` (`posttrain.training.resume`): every `<stage>.checkpoint_every`
 steps and when SIGTERM arrives (Slurm preemption, time limits; the stage then exits 143 and the
@@ -37,13 +37,7 @@ from posttrain.models import Transformer, is_preset
 from posttrain.parallel import build_mesh, data_parallel_rank, destroy, init_distributed
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.final_model import save_final_model
-from posttrain.training.faults import (
-    SettingError,
-    exit_on_known_errors,
-    explain_out_of_memory,
-    kill_if_requested,
-    pause_if_requested,
-)
+from posttrain.training.faults import SettingError, kill_if_requested, pause_if_requested
 from posttrain.training.optimization import Optimization
 from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, remove_resume_state, resume_dir
 from posttrain.training.setup import build_model, seed_everything
@@ -229,9 +223,3 @@ class StageRun:
         """The output is complete: remove the resume state and give SIGTERM back its previous handler."""
         remove_resume_state(resume_dir(self.out))
         self.stop.restore()
-
-
-def run_main(stage: str, main: Callable[[], None], extra_errors: tuple[type[BaseException], ...] = ()) -> None:
-    """Run a stage's `main`: its expected failures (and `extra_errors`) end in one line and exit 1; OOM names the settings."""
-    with exit_on_known_errors(stage, extra_errors), explain_out_of_memory(stage):
-        main()

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from posttrain.models.args import ModelArgs
 from posttrain.optim import OptimizerInBackward, clip_grad_norm_
 from posttrain.parallel import mesh_size
+from posttrain.rules import optimizer_in_backward_problems
 from posttrain.training.faults import NonFiniteLossGuard, SettingError
 from posttrain.training.setup import build_optimizer_and_scheduler, max_grad_norm
 
@@ -46,6 +47,7 @@ class Optimization:
                                         skip_possible=not self.in_backward)
         self.replicas = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard")
         self.last_checkpoint = last_checkpoint
+        self.config_key = config_key
         # MoE: each backward adds its forward's load-balancing loss, averaged over the step's forwards
         # (grad_accum per rank; GRPO trains one micro-batch a step).
         args = getattr(model, "args", None)  # a Transformer's; any other module routes nothing
@@ -89,8 +91,9 @@ class Optimization:
             record["grad_norm"] = grad_norm
         return record
 
-    def one_micro_batch(self, micro_batches: int, setting: str) -> None:
-        """Refuse gradient accumulation under optimizer-in-backward, which steps inside each backward."""
-        if self.in_backward and micro_batches > 1:
-            raise SettingError(f"memory.optimizer_in_backward steps during backward, so a step must be one "
-                             f"micro-batch: {setting}")
+    def one_micro_batch(self, rows: int, micro_batch_size: int) -> None:
+        """Refuse a step of `rows` rows per process in several micro-batches under optimizer-in-backward."""
+        problems = optimizer_in_backward_problems(rows=rows, micro_batch_size=micro_batch_size) if self.in_backward else []
+        if problems:
+            setting, why = problems[0]
+            raise SettingError(f"{self.config_key}.{setting}: {why}")

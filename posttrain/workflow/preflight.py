@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.rules import optimizer_in_backward_problems, parallel_degrees_problem, parallel_layout_problem
 from posttrain.tokenizer import folder_chat_template
 from posttrain.workflow.inputs import code_search_path
 from posttrain.workflow.model_names import preset_names, supported_model_types
@@ -66,13 +67,14 @@ def generator_node_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(config key, what is wrong) for each rule a training stage would refuse at start."""
+    """(config key, what is wrong) for each rule a training stage would refuse at start (`posttrain.rules`, which
+    the stages call too, with the processes they were started as)."""
     problems: list[tuple[str, str]] = []
     tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
     cp, ep = int(cfg["parallel"]["cp"]), int(cfg["parallel"]["ep"])
-    if cp > 1 and ep > 1:
-        problems.append(("parallel.ep", f"{ep} with parallel.cp {cp}: expert and context parallelism do not "
-                         "combine yet; set one of them to 1"))
+    degrees = parallel_degrees_problem(cp, ep)
+    if degrees:
+        problems.append(("parallel.ep", degrees))
     in_backward = bool(cfg["memory"]["optimizer_in_backward"])
     problems += generator_node_problems(cfg)
     if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
@@ -84,49 +86,38 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             problems.append((f"{stage}.method", f"{section['method']}: tensor parallelism does not support LoRA/QLoRA "
                              "adapters; set parallel.tp: 1 or method: full"))
         world = _processes(section["resources"])
-        if world < 1:
-            continue  # said by generator_node_problems
-        if world % (tp * cp * replicate):
-            problems.append((f"{stage}.resources", f"{world} processes, which parallel.tp ({tp}) x parallel.cp ({cp}) "
-                             f"x parallel.dp_replicate ({replicate}) does not divide"))
-            continue
-        if (world // (tp * cp * replicate)) % ep:
-            problems.append((f"{stage}.resources", f"{world} processes: parallel.ep ({ep}) does not divide their "
-                             f"{world // (tp * replicate)} FSDP shards"))
+        if world < 1 or degrees:
+            continue  # said by generator_node_problems, or above
+        layout = parallel_layout_problem(world, tp, cp, replicate, ep)
+        if layout:
+            problems.append((f"{stage}.resources", f"{world} processes: {layout}"))
             continue
         dp = world // (tp * cp)
         if stage == "grpo" and section["advantage"] == "gae":
             problems += ppo_problems(cfg)
+        rows = micro = None
         if stage == "grpo":
-            prompts, rows = int(section["prompts_per_step"]), int(section["group_size"])
+            prompts, group = int(section["prompts_per_step"]), int(section["group_size"])
             if prompts % dp:
                 problems.append(("grpo.prompts_per_step", f"{prompts} does not split over {dp} data-parallel processes"))
-            elif in_backward and int(section["micro_batch_size"]) < prompts // dp * rows:
-                problems.append(("grpo.micro_batch_size", f"{section['micro_batch_size']}: memory.optimizer_in_backward "
-                                 f"steps during backward, so a step must be one micro-batch: at least "
-                                 f"{prompts // dp * rows} (prompts per process x group_size)"))
+            else:
+                rows, micro = prompts // dp * group, int(section["micro_batch_size"])
         else:
             batch, accum = int(section["batch_size"]), int(section["grad_accum"])
             if batch % (accum * dp):
                 problems.append((f"{stage}.batch_size", f"{batch} is not divisible by {stage}.grad_accum ({accum}) x "
                                  f"{dp} data-parallel processes"))
-            if in_backward and accum != 1:
-                problems.append((f"{stage}.grad_accum", f"{accum}: memory.optimizer_in_backward steps every parameter "
-                                 "during backward, so it cannot accumulate gradients: set it to 1"))
-        if in_backward and section["max_grad_norm"]:
-            problems.append(_clipping_problem(stage, section))
+        if in_backward:
+            problems += [(f"{stage}.{setting}", why) for setting, why in optimizer_in_backward_problems(
+                section.get("grad_accum", 1), section["max_grad_norm"], rows, micro)]
     rm = cfg["reward_model"]
-    if rm["source"] == "train" and in_backward and rm["max_grad_norm"]:
-        problems.append(_clipping_problem("reward_model", rm))
+    if rm["source"] == "train" and in_backward:
+        problems += [(f"reward_model.{setting}", why) for setting, why in optimizer_in_backward_problems(
+            max_grad_norm=rm["max_grad_norm"])]
     if cfg["grpo"]["rm_weight"] and rm["source"] is None:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
                          "reward_model.source: train or grpo.rm_weight: 0"))
     return problems
-
-
-def _clipping_problem(stage: str, section: Mapping[str, Any]) -> tuple[str, str]:
-    return (f"{stage}.max_grad_norm", f"{section['max_grad_norm']}: memory.optimizer_in_backward frees each gradient "
-            "right after its step, so there is no norm to clip by: set it to 0 or null")
 
 
 def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -1,0 +1,48 @@
+"""The rules that relate config keys to each other and to the process layout: one home, torch-free.
+
+The dry run (`posttrain.workflow.preflight`, from each stage's `resources`) and the stages (from the
+processes they were started as) call the same functions, so a layout or a setting is refused with the
+same words before a job is queued and, if it slipped past, when it starts. Each returns what is
+wrong, or nothing; the caller names the key in its own context and reports or raises.
+"""
+
+from __future__ import annotations
+
+
+def parallel_degrees_problem(cp: int, ep: int) -> str | None:
+    """What no process count mends: degrees that do not combine."""
+    if ep > 1 and cp > 1:
+        return f"parallel.ep ({ep}) and parallel.cp ({cp}): expert and context parallelism do not combine yet; set one to 1"
+    return None
+
+
+def parallel_layout_problem(world: int, tp: int, cp: int, dp_replicate: int, ep: int) -> str | None:
+    """What the device mesh refuses of `world` processes under the parallel degrees (None: it builds)."""
+    problem = parallel_degrees_problem(cp, ep)
+    if problem:
+        return problem
+    if world % (tp * cp * dp_replicate):
+        return (f"parallel.tp ({tp}) x parallel.cp ({cp}) x parallel.dp_replicate ({dp_replicate}) = "
+                f"{tp * cp * dp_replicate} does not divide the world size {world}")
+    shards = world // (tp * cp * dp_replicate)
+    if shards % ep:
+        return f"parallel.ep ({ep}) must divide the {shards} FSDP shards (world size {world} / tp x cp x dp_replicate)"
+    return None
+
+
+def optimizer_in_backward_problems(grad_accum: int = 1, max_grad_norm: float | None = None, rows: int | None = None,
+                                   micro_batch_size: int | None = None) -> list[tuple[str, str]]:
+    """(setting, what is wrong) of what optimizer-in-backward rules out: each parameter is stepped inside its
+    backward and its gradient freed, so no accumulation, no clipping, and (`rows` a step's rows per process,
+    taken `micro_batch_size` at a time: GRPO) one micro-batch a step."""
+    problems = []
+    if grad_accum != 1:
+        problems.append(("grad_accum", f"{grad_accum}: memory.optimizer_in_backward steps every parameter during "
+                         "backward, so it cannot accumulate gradients: set it to 1"))
+    if max_grad_norm:
+        problems.append(("max_grad_norm", f"{max_grad_norm}: memory.optimizer_in_backward frees each gradient right "
+                         "after its step, so there is no norm to clip by: set it to 0 or null"))
+    if rows is not None and micro_batch_size is not None and micro_batch_size < rows:
+        problems.append(("micro_batch_size", f"{micro_batch_size}: memory.optimizer_in_backward steps during backward, "
+                         f"so a step must be one micro-batch: at least {rows} (prompts per process x group_size)"))
+    return problems
