@@ -25,7 +25,7 @@ from eval_fixtures import run_stage
 from posttrain.data.chat import IGNORE_INDEX
 from posttrain.data.sources import COLUMN_FIELDS, KINDS, RENDERS, canonical_rows, load_source, mix, source_rows
 from posttrain.data.store import load_split
-from posttrain.tokenizer import IM_END, train_bpe_tokenizer
+from posttrain.tokenizer import IM_END, Tokenizer, train_bpe_tokenizer
 from posttrain.workflow.schema import load_schema, validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -465,3 +465,28 @@ def test_a_split_a_local_file_lacks_is_refused_before_anything_is_written(tool_t
         f"prepare_data: error: data source {path}: split 'test': a local file holds one split, train (slices such as "
         "train[:100] or train[10%:] select rows of it; a folder or hub dataset has more splits)")
     assert not (tmp_path / "data").exists()
+
+
+def test_roles_map_speakers_and_roles() -> None:
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]},
+            {"messages": [{"role": "человек", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"conversations": [{"from": "human", "value": "Weather?"},
+                               {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+                               {"from": "observation", "value": "cold"}, {"from": "gpt", "value": "Cold."}]}]
+    got, _ = canonical_rows(rows, "sft", "r.jsonl", roles={"bot": "assistant", "человек": "user"})
+    assert got[0]["messages"] == got[1]["messages"] == [user("hi"), assistant("hello")]
+    assert got[2]["messages"] == [user("Weather?"),
+                                  {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                                      "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                                  {"role": "tool", "content": "cold"}, assistant("Cold.")]
+
+
+def test_reasoning_a_template_leaves_out_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({"messages": [user(f"Is {i} even?"), {**assistant("yes" if i % 2 == 0 else "no"),
+                                                                             "reasoning_content": f"{i} mod 2"}]}) + "\n"
+                            for i in range(4)))
+    out = prepare(config([source("sft", path)], None), tmp_path, "data", monkeypatch)  # the preset's ChatML: no reasoning
+    assert json.loads((out / "stats.json").read_text())["splits"]["sft"]["reasoning_not_rendered"] == 4
+    text = Tokenizer(out / "tokenizer").decode(load_split(out, "sft")[:]["input_ids"].ravel().tolist())
+    assert "mod 2" not in text and "yes" in text

@@ -5,7 +5,10 @@ rendered once, and each assistant message's character span is found by rendering
 it (with the generation prompt) and the prefix through it. A token is trained when its character
 span overlaps an assistant span. Templates whose prefixes are not prefixes of the whole chat (e.g.
 ones that rewrite earlier turns) fall back to locating the message content in the rendered text.
-Text after the end-of-turn token (ChatML's trailing newline) is not trained.
+Text after the end-of-turn token (ChatML's trailing newline) is not trained. Tool schemas reach
+the template as `tools`, and messages carry their tool calls and reasoning for it to render;
+`render_check` tells whether it does. Plain-text rows (TRL's standard format) skip the template
+(`tokenize_texts`).
 """
 
 from __future__ import annotations
@@ -167,9 +170,9 @@ def render_check(tok: Tokenizer, messages: Messages, tools: Tools = None,
                  add_generation_prompt: bool = False) -> tuple[tuple[int | str | None, str] | None, int]:
     """Whether the chat template renders a chat with everything it holds: (problem, reasoning messages not rendered).
 
-    The problem is None, or (message index, "tools", or None for the whole chat; what is wrong): the template raises, or renders
-    a message the same without its tool calls, or the chat the same without its tools (it does not
-    support tools). Reasoning (`reasoning_content`) the template leaves out is counted, not refused:
+    The problem is None, or (where: a message index, "tools", or None for the whole chat; what is
+    wrong): the template raises, or renders a message the same without its tool calls, or the chat
+    the same without its tools (it does not support tools). Reasoning (`reasoning_content`) the template leaves out is counted, not refused:
     templates such as Qwen3's render it only for the turns after the last user message, by design.
     """
     try:

@@ -92,7 +92,7 @@ def sft_split(
     rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, loss_mask: str, truncation: str, packing: bool,
     desc: str = "tokenize sft",
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Tokenize chats (and plain-text rows), apply the loss mask and truncation, and pack (or pad) them into rows of `max_len`."""
+    """Tokenize chats and plain-text rows, apply the loss mask and truncation, pack (or pad) into rows of `max_len`."""
     _check_truncation(truncation)
 
     def encode(batch: list[dict[str, Any]]) -> dict[str, list]:
