@@ -3,16 +3,19 @@
     python stages/prepare_data.py --config RESOLVED.json --out results/data/<key>
 
 Reads the config keys in `READS`: `seed`, the model's tokenizer source and `data`. Rows come from the
-built-in tasks (`data.tasks`, `data.n_*`) and from `data.sources` (local files or hub datasets),
-per kind. The tokenizer is the model folder's, or for a preset a byte-level BPE trained on the
-training text. Output (written to a temporary sibling and renamed when complete):
+built-in tasks (`data.tasks`, `data.n_*`) and from `data.sources` (local files and folders, or hub
+datasets, in the shapes of docs/data.md), per kind, each source mixed in by its `weight` and
+`max_rows`. The tokenizer is the model folder's, or for a preset a byte-level BPE trained on the
+training text; every user row must render with its chat template (tool calls included), or it is a
+bad row. Output (written to a temporary sibling and renamed when complete):
 
     sft/ sft_eval/ preference/ unpaired/ prompts/ eval/   Arrow shards (posttrain.data.store.load_split)
     tokenizer/                                  HF tokenizer folder used for every split
     stats.json                                  rows, tokens, loss tokens, packing, drop counts
     posttrain.json                              provenance
 
-`sft_eval` holds out min(data.n_eval, 10%) of the SFT rows, chosen by the seed, for NLL.
+`sft_eval` holds out min(data.n_eval, 10%) of the SFT rows, chosen by the seed, for NLL (a row that
+appears more than once, e.g. by a source's weight above 1, is held out with all its copies).
 `unpaired` (KTO's) holds the `unpaired` sources' rows, then each preference pair as two rows (its
 chosen completion desirable, its rejected one undesirable).
 """
@@ -26,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint import resolve_model_source
-from posttrain.data.sources import KINDS, TASK_COLUMNS, TASK_KINDS, DataError, canonical_rows, load_source, unpair
+from posttrain.data.sources import (
+    KINDS, ORIGIN, TASK_COLUMNS, TASK_KINDS, DataError, canonical_rows, source_rows, unpair,
+)
 from posttrain.data.store import write_split
 from posttrain.data.tasks import make_splits
-from posttrain.data.tokenize import preference_split, prompt_split, sft_split, tokenizer_training_text, unpaired_split
+from posttrain.data.tokenize import (
+    check_rendering, preference_split, prompt_split, sft_split, tokenizer_training_text, unpaired_split,
+)
 from posttrain.models import is_preset
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
@@ -40,7 +47,8 @@ from posttrain.utils.provenance import write_provenance
 STAGE = "prepare_data"
 READS = ("seed", "model.policy", "model.tokenizer", "data")
 INPUTS = {}  # the first stage: no upstream inputs, only --config and --out
-SOURCE_KEYS = {"kind", "path", "split", "subset", "revision", "columns"}
+SOURCE_KEYS = {"kind", "path", "split", "subset", "revision", "data_files", "columns", "roles", "render", "weight",
+               "max_rows"}
 ON_BAD_ROW = ("error", "skip")
 
 
@@ -61,19 +69,31 @@ def collect_rows(data: dict[str, Any], seed: int) -> tuple[dict[str, list[dict]]
         unknown = sorted(set(source) - SOURCE_KEYS)
         if unknown:
             raise DataError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(SOURCE_KEYS)}")
-        raw = load_source(str(source["path"]), source["split"], source["subset"], source["revision"])
-        canonical, n_bad = canonical_rows(
-            raw, source["kind"], str(source["path"]), source["columns"], skip_bad=data["on_bad_row"] == "skip"
-        )
+        if source["kind"] not in KINDS:
+            raise DataError(f"{where}: unknown data kind {source['kind']!r}; kinds: {', '.join(KINDS)}")
+        canonical, n_bad = source_rows(source, where, f"{seed}/{where}", skip_bad=data["on_bad_row"] == "skip")
         rows[source["kind"]] += canonical
         bad[source["kind"]] += n_bad
     return rows, bad
 
 
 def hold_out(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(kept, held out): `n` rows chosen by the seed, both in data order."""
-    held = set(random.Random(f"{seed}/sft_eval").sample(range(len(rows)), n))
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+    """(kept, held out): `n` distinct rows chosen by the seed, both in data order.
+
+    Copies of a row (the same conversation, wherever it comes from) count as one: a held-out row
+    leaves no copy among the kept ones, and is held out once.
+    """
+    group_of: dict[str, int] = {}
+    groups = [group_of.setdefault(json.dumps({k: v for k, v in r.items() if k != ORIGIN}, sort_keys=True, default=str),
+                                  len(group_of)) for r in rows]
+    held = set(random.Random(f"{seed}/sft_eval").sample(range(len(group_of)), min(n, len(group_of))))
+    seen: set[int] = set()
+    held_rows = []
+    for g, r in zip(groups, rows):
+        if g in held and g not in seen:
+            seen.add(g)
+            held_rows.append(r)
+    return [r for g, r in zip(groups, rows) if g not in held], held_rows
 
 
 def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path) -> Tokenizer:
@@ -98,6 +118,12 @@ def main() -> None:
 
     with atomic_dir(args.out) as out:
         tok = build_tokenizer(cfg, rows, out / "tokenizer")
+        unrendered = dict.fromkeys(KINDS, 0)
+        for kind in KINDS:
+            rows[kind], n_bad, unrendered[kind] = check_rendering(kind, rows[kind], tok, data["on_bad_row"] == "skip")
+            bad[kind] += n_bad
+        sft_eval, n_bad, held_unrendered = check_rendering("sft", sft_eval, tok, data["on_bad_row"] == "skip")
+        bad["sft"] += n_bad
         splits: dict[str, dict[str, Any]] = {}
         for name, split_rows in (("sft", rows["sft"]), ("sft_eval", sft_eval)):
             columns, splits[name] = sft_split(
@@ -114,6 +140,9 @@ def main() -> None:
             write_split(out, name, columns)
         for name, stats in splits.items():
             stats["bad_rows_skipped"] = bad.get(name, 0)  # held-out rows were counted with sft
+            reasoning = unrendered.get(name, 0) + (held_unrendered if name == "sft" else 0)
+            if reasoning:  # the template's choice (e.g. Qwen3 renders the last turns' only); said, not hidden
+                stats["reasoning_not_rendered"] = reasoning
 
         stats = {
             "max_seq_len": max_len,

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from posttrain.data.chat import IGNORE_INDEX, shifted_labels, tokenize_chats
+from posttrain.data.chat import IGNORE_INDEX, render_check, shifted_labels, tokenize_chats, tokenize_texts
 from posttrain.data.packing import pack_or_pad
+from posttrain.data.sources import ORIGIN, BadRowError
 from posttrain.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -37,12 +38,40 @@ def _num_proc(n_rows: int) -> int | None:
     return procs if procs > 1 else None
 
 
-def _map(rows: list[dict[str, Any]], fn: Callable[[dict[str, list]], dict[str, list]], desc: str) -> datasets.Dataset:
-    """Apply the batched `fn` to all rows with a progress bar, in several processes for large inputs; order kept."""
+def _map(rows: Sequence[dict[str, Any]], fields: Sequence[str], fn: Callable[[list[dict[str, Any]]], dict[str, list]],
+         desc: str) -> datasets.Dataset:
+    """Apply `fn` to batches of rows (their `fields`) with a progress bar, in several processes for large inputs; order kept.
+
+    Rows travel as JSON text: Arrow would give every message (and every tool call's arguments) the
+    union of all rows' keys, filled with nulls, which chat templates would render.
+    """
     import datasets  # here: a training stage that tokenizes a few pairs need not hold it
 
-    ds = datasets.Dataset.from_list(rows)
-    return ds.map(fn, batched=True, batch_size=256, remove_columns=ds.column_names, num_proc=_num_proc(len(rows)), desc=desc)
+    texts = [json.dumps({k: row[k] for k in fields if k in row}, ensure_ascii=False, default=str) for row in rows]
+    ds = datasets.Dataset.from_dict({"row": texts})
+
+    def decoded(batch: dict[str, list]) -> dict[str, list]:
+        return fn([json.loads(text) for text in batch["row"]])
+
+    return ds.map(decoded, batched=True, batch_size=256, remove_columns=["row"], num_proc=_num_proc(len(rows)), desc=desc)
+
+
+def _encode_rows(tok: Tokenizer, prompts: Sequence[Any], completions: Sequence[Any], tools: Sequence[Any],
+                 firsts: Sequence[int] | None, loss_mask: str) -> list[tuple[list[int], list[bool]]]:
+    """(ids, trained mask) of each prompt + completion: chats (message lists) by the chat template with
+    the completion's assistant messages trained, plain text (strings) as `tokenize_texts` does."""
+    out: list[Any] = [None] * len(prompts)
+    chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    text = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    if chat:
+        encoded = tokenize_chats(tok, [list(prompts[i]) + list(completions[i]) for i in chat], loss_mask,
+                                 [len(prompts[i]) if firsts is None else firsts[i] for i in chat], [tools[i] for i in chat])
+        for i, pair in zip(chat, encoded):
+            out[i] = pair
+    if text:
+        for i, pair in zip(text, tokenize_texts(tok, [prompts[i] for i in text], [completions[i] for i in text], loss_mask)):
+            out[i] = pair
+    return out
 
 
 def _fit(ids: list[int], mask: list[bool], max_len: int, truncation: str) -> tuple[list[int], list[int]] | None:
@@ -63,14 +92,18 @@ def sft_split(
     rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, loss_mask: str, truncation: str, packing: bool,
     desc: str = "tokenize sft",
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Tokenize chats, apply the loss mask and truncation, and pack (or pad) them into rows of `max_len`."""
+    """Tokenize chats and plain-text rows, apply the loss mask and truncation, pack (or pad) into rows of `max_len`."""
     _check_truncation(truncation)
 
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        ids, masks = zip(*tokenize_chats(tok, batch["messages"], loss_mask))
+    def encode(batch: list[dict[str, Any]]) -> dict[str, list]:
+        chats = ["messages" in row for row in batch]
+        prompts = [[] if chat else row["prompt"] for chat, row in zip(chats, batch)]
+        completions = [row["messages"] if chat else row["completion"] for chat, row in zip(chats, batch)]
+        firsts = [row.get("completion_start", 0) for row in batch]
+        ids, masks = zip(*_encode_rows(tok, prompts, completions, [row.get("tools") for row in batch], firsts, loss_mask))
         return {"ids": list(ids), "mask": list(masks)}
 
-    encoded = _map(list(rows), encode, desc)
+    encoded = _map(rows, ("messages", "tools", "completion_start", "prompt", "completion"), encode, desc)
     docs_ids, docs_labels = [], []
     counts = {"truncated": 0, "dropped_too_long": 0, "dropped_no_loss_tokens": 0}
     for row in encoded:
@@ -106,20 +139,21 @@ def preference_split(
 ) -> tuple[dict[str, list], dict[str, Any]]:
     """Tokenize prompt + chosen and prompt + rejected; only completion tokens are trained.
 
+    Chat rows render with the chat template (and their tools); plain-text rows (strings) as text.
     `keep`: row fields carried into the columns of the rows kept (the unpaired split's labels).
     """
     _check_truncation(truncation)
 
-    def encode(batch: dict[str, list]) -> dict[str, list]:
+    def encode(batch: list[dict[str, Any]]) -> dict[str, list]:
         out = {}
-        firsts = [len(prompt) for prompt in batch["prompt"]]
+        prompts, tools = [row["prompt"] for row in batch], [row.get("tools") for row in batch]
         for side in ("chosen", "rejected"):
-            chats = [prompt + completion for prompt, completion in zip(batch["prompt"], batch[side])]
-            ids, masks = zip(*tokenize_chats(tok, chats, "assistant", firsts))
+            ids, masks = zip(*_encode_rows(tok, prompts, [row[side] for row in batch], tools, None, "assistant"))
             out[f"{side}_ids"], out[f"{side}_mask"] = list(ids), list(masks)
         return out
 
-    encoded = _map(list(rows), encode, "tokenize preference")
+    rows = list(rows)
+    encoded = _map(rows, ("prompt", "chosen", "rejected", "tools"), encode, "tokenize preference")
     columns: dict[str, list] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels",
                                                 *keep)}
     counts = {"truncated": 0, "dropped_too_long": 0, "dropped_no_loss_tokens": 0}
@@ -157,11 +191,21 @@ def unpaired_split(
     (i + n // 2) % n under row i's prompt: a mismatched pair, the sample KTO's KL reference point
     is estimated on (Ethayarajh et al. 2024). Half a split away, it shares no prompt with row i when
     the rows come two per pair (`sources.unpair`) and there are more than two. `desirable` is each row's label.
+    Chat rows and plain-text rows are paired among their own kind (a mismatched completion must render
+    under the other row's prompt), each in the order above.
     """
     rows = list(rows)
-    n = len(rows)
-    pairs = [{"prompt": row["prompt"], "chosen": row["completion"], "rejected": rows[(i + n // 2) % n]["completion"],
-              "desirable": row["desirable"]} for i, row in enumerate(rows)]
+    partner = {}
+    for plain in (False, True):
+        group = [i for i, row in enumerate(rows) if isinstance(row["prompt"], str) == plain]
+        partner.update({i: group[(k + len(group) // 2) % len(group)] for k, i in enumerate(group)})
+    pairs = []
+    for i, row in enumerate(rows):
+        pair = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": rows[partner[i]]["completion"],
+                "desirable": row["desirable"]}
+        if "tools" in row:
+            pair["tools"] = row["tools"]
+        pairs.append(pair)
     columns, stats = preference_split(pairs, tok, max_len, truncation, keep=("desirable",))
     stats["desirable_rows"] = sum(columns["desirable"])
     return columns, stats
@@ -170,15 +214,21 @@ def unpaired_split(
 def prompt_split(
     rows: Sequence[dict[str, Any]], tok: Tokenizer, max_len: int, desc: str = "tokenize prompts"
 ) -> tuple[dict[str, list], dict[str, Any]]:
-    """Prompt ids (rendered with the generation prompt) plus id, task, answer and the verifier's example."""
+    """Prompt ids (rendered with the generation prompt) plus id, task, answer and the verifier's example.
 
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        texts = [tok.apply_chat_template(messages, add_generation_prompt=True) for messages in batch["messages"]]
-        return {"prompt_ids": tok.encode_batch(texts)}
+    A string prompt is one user turn; with `raw` (render: raw) it is plain text, tokenized as is.
+    """
 
-    as_chat = [{"messages": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
-               for r in rows]
-    encoded = _map(as_chat, encode, desc)
+    def encode(batch: list[dict[str, Any]]) -> dict[str, list]:
+        chat = [i for i, row in enumerate(batch) if not row.get("raw")]
+        texts = [tok.apply_chat_template(as_messages(batch[i]["prompt"]), add_generation_prompt=True,
+                                         tools=batch[i].get("tools")) for i in chat]
+        ids: list[Any] = [tok.encode(row["prompt"], add_special_tokens=True) if row.get("raw") else None for row in batch]
+        for i, prompt_ids in zip(chat, tok.encode_batch(texts)):
+            ids[i] = prompt_ids
+        return {"prompt_ids": ids}
+
+    encoded = _map(rows, ("prompt", "tools", "raw"), encode, desc)
     columns: dict[str, list] = {"prompt_ids": [], "id": [], "task": [], "answer": [], "example": []}
     dropped = 0
     for row, enc in zip(rows, encoded):
@@ -198,14 +248,75 @@ def prompt_split(
     return columns, stats
 
 
+def as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt as messages: a string is one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def _texts(messages: str | Sequence[dict[str, Any]]) -> Iterator[str]:
+    """Each message as `role\ncontent` (plus its reasoning and tool calls); plain text as it is."""
+    if isinstance(messages, str):
+        if messages:
+            yield messages
+        return
+    for m in messages:
+        extra = [m[k] if isinstance(m[k], str) else json.dumps(m[k], ensure_ascii=False)
+                 for k in ("reasoning_content", "tool_calls") if k in m]
+        yield "\n".join([f"{m['role']}\n{m.get('content') or ''}", *extra])
+
+
 def tokenizer_training_text(rows: Mapping[str, Sequence[dict[str, Any]]]) -> Iterator[str]:
     """Every message of the training kinds of canonical rows (never eval), as `role\ncontent`, for BPE training."""
     for row in rows.get("sft", []):
-        yield from (f"{m['role']}\n{m['content']}" for m in row["messages"])
+        yield from _texts(row["messages"]) if "messages" in row else (*_texts(row["prompt"]), *_texts(row["completion"]))
     for row in rows.get("preference", []):
-        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["chosen"] + row["rejected"])
+        for field in ("prompt", "chosen", "rejected"):
+            yield from _texts(row[field])
     for row in rows.get("unpaired", []):
-        yield from (f"{m['role']}\n{m['content']}" for m in row["prompt"] + row["completion"])
+        for field in ("prompt", "completion"):
+            yield from _texts(row[field])
     for row in rows.get("prompts", []):
-        prompt = row["prompt"]
-        yield from ([f"user\n{prompt}"] if isinstance(prompt, str) else (f"{m['role']}\n{m['content']}" for m in prompt))
+        yield from _texts(row["prompt"]) if row.get("raw") else _texts(as_messages(row["prompt"]))
+
+
+def check_rendering(kind: str, rows: Sequence[dict[str, Any]], tok: Tokenizer,
+                    skip_bad: bool) -> tuple[list[dict[str, Any]], int, int]:
+    """The rows of a user source (those with an `origin`) that the tokenizer's chat template renders whole.
+
+    A row the template raises on, or whose tool calls or tools it renders no differently than without
+    them (a template without tool support), raises `BadRowError` naming source, row and field, or is
+    skipped and counted. Returns (rows kept, bad rows skipped, messages whose reasoning_content the
+    template did not render). Built-in task rows and plain-text rows are kept as they are.
+    """
+    kept, bad, unrendered = [], 0, 0
+    for row in rows:
+        origin = row.get(ORIGIN)
+        plain = row.get("raw") if kind in ("prompts", "eval") else "messages" not in row and isinstance(row["prompt"], str)
+        if origin is None or plain:
+            kept.append(row)
+            continue
+        if kind == "sft":
+            chats = [((("messages", 0),), row["messages"], False)]
+        elif kind in ("prompts", "eval"):
+            chats = [((("prompt", 0),), as_messages(row["prompt"]), True)]
+        else:
+            n = len(row["prompt"])
+            sides = ("chosen", "rejected") if kind == "preference" else ("completion",)
+            chats = [((("prompt", 0), (side, n)), row["prompt"] + row[side], False) for side in sides]
+        try:
+            for fields, messages, generation in chats:
+                problem, count = render_check(tok, messages, row.get("tools"), generation)
+                unrendered += count
+                if problem is not None:
+                    j, what = problem
+                    if not isinstance(j, int):  # "tools", or the whole chat
+                        raise BadRowError(f"{origin}: field {j or fields[-1][0]}: {what}")
+                    field, start = next((f, s) for f, s in reversed(fields) if j >= s)
+                    raise BadRowError(f"{origin}: field {field} message {j - start} {what}")
+        except BadRowError:
+            if not skip_bad:
+                raise
+            bad += 1
+            continue
+        kept.append(row)
+    return kept, bad, unrendered
