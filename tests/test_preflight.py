@@ -82,6 +82,11 @@ def test_missing_model_and_data_sources_are_named(tmp_path, monkeypatch):
     assert "model.policy: /nonexistent/model: no such folder" in text
     assert f"model.student: {tmp_path / 'student'}: no such folder" in text
     assert f"data.sources[0].path: {tmp_path / 'rows.jsonl'}: no such file" in text
+    folder = tmp_path / "saved"  # a datasets.save_to_disk folder, by an absolute path
+    assert "data.sources" not in _problems(model={"policy": "/nonexistent/model"},
+                                           data={"sources": [{"path": str(folder.mkdir() or folder), "kind": "sft"}]})
+    assert f"data.sources[0].path: {tmp_path / 'gone'}: no such file or folder" in _problems(
+        data={"sources": [{"path": str(tmp_path / "gone"), "kind": "sft"}]})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     text = _problems(model={"policy": "Qwen/Qwen3-0.6B"})

@@ -274,7 +274,8 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     for i, spec in enumerate(cfg["data"]["sources"]):
         path = str(spec["path"])
         local = Path(path).expanduser()
-        if local.suffix in LOCAL_DATA_SUFFIXES or path.startswith((".", "/", "~")):
-            if not local.is_file():
-                problems.append((f"data.sources[{i}].path", f"{path}: no such file"))
+        if local.suffix in LOCAL_DATA_SUFFIXES and not local.is_file():
+            problems.append((f"data.sources[{i}].path", f"{path}: no such file"))
+        elif path.startswith((".", "/", "~")) and not local.exists():  # a file, or a save_to_disk / dataset folder
+            problems.append((f"data.sources[{i}].path", f"{path}: no such file or folder"))
     return problems
