@@ -62,6 +62,7 @@ def reward_specs_module() -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
+
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
