@@ -10,7 +10,9 @@ On the first `eval.n_prompts` rows of the data's `eval` split (problems never tr
 - `eval.samples` completions per prompt at `eval.temperature` -> `pass@k` for k in `eval.pass_k`
   (unbiased estimator, `posttrain.evaluation.passk`);
 - a completion is correct when the first of `reward.verifiers` gives it full credit; `reward` is
-  the sum of all of them (`posttrain.evaluation.scoring`).
+  the weighted sum of all of them (`posttrain.evaluation.scoring`, `posttrain.rewards.verifiers`:
+  built-ins, `module:function`, `path/file.py:function` relative to the working directory, batched ones
+  called once per batch of completions).
 On `sft_eval`: `nll` per trained token and `ppl`. For a DPO model: `pref_acc`, the share of
 held-out pairs (eval rows' reference response vs. plausible mistake) whose implicit reward prefers
 the reference, against the DPO run's reference model (its upstream model, next to it under
@@ -38,14 +40,14 @@ import torch
 from posttrain.training.faults import run_main
 from posttrain.checkpoint import load_hf_model, resolve_model_source
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
-from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, is_correct, task_metrics
+from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
 from posttrain.evaluation.lm_eval import run_lm_eval
 from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, is_preset
-from posttrain.rewards.verifiers import load_verifiers, score
+from posttrain.rewards.verifiers import Rewards, VerifierError
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import initial_model, model_config
@@ -144,7 +146,7 @@ def main() -> None:
     cfg = load_stage_config(args.config, READS, __file__)
     ev, seed = cfg["eval"], cfg["seed"]
     verifier_specs = cfg["reward"]["verifiers"]
-    verifiers = load_verifiers(verifier_specs)
+    rewards = Rewards(verifier_specs)
     data_dir = Path(args.data)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
@@ -158,18 +160,18 @@ def main() -> None:
     backend = NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH)
     greedy, greedy_reasons = complete(backend, prompts, greedy_params, seed, "greedy")
     greedy_text = tok.decode_batch(greedy)
-    greedy_scores = score(greedy_text, examples, verifiers)
+    greedy_scores = rewards.score(greedy_text, examples)
 
     n = ev["samples"]
     sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
                                    stop_token_ids=tok.eos_ids)
     sampled, _ = complete(backend, [p for p in prompts for _ in range(n)], sample_params, seed, f"sampled x{n}")
     sampled_text = tok.decode_batch(sampled)
-    sampled_scores = score(sampled_text, [ex for ex in examples for _ in range(n)], verifiers)
-    sampled_correct = [is_correct(s, verifier_specs[0]) for s in sampled_scores]
+    sampled_scores = rewards.score(sampled_text, [ex for ex in examples for _ in range(n)])
+    sampled_correct = [rewards.correct(s) for s in sampled_scores]
 
     results = [
-        PromptResult(task=r["task"], correct=is_correct(greedy_scores[i], verifier_specs[0]), rewards=greedy_scores[i],
+        PromptResult(task=r["task"], correct=rewards.correct(greedy_scores[i]), rewards=greedy_scores[i],
                      length=len(greedy[i]), truncated=greedy_reasons[i] == "length",
                      sample_correct=sum(sampled_correct[i * n : (i + 1) * n]))
         for i, r in enumerate(rows)
@@ -178,7 +180,7 @@ def main() -> None:
                                "samples": n, "temperature": ev["temperature"], "max_new_tokens": ev["max_new_tokens"]}
     if record["stage"] == BASE:
         metrics["source"] = record["source"]
-    metrics.update(task_metrics(results, ev["pass_k"], n))
+    metrics.update(task_metrics(results, ev["pass_k"], n, rewards.weights))
     metrics.update(nll_metrics(model, data_dir, seed))
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
                                       args.reference, device))
@@ -204,4 +206,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(STAGE, main)
+    run_main(STAGE, main, extra_errors=(VerifierError,))

@@ -12,8 +12,12 @@ Each step:
 1. Rollouts: `grpo.prompts_per_step` prompts (all processes together), `grpo.group_size`
    completions each at `grpo.temperature`, up to `grpo.max_new_tokens` tokens or the end-of-turn
    token, from the `grpo.backend` (native KV-cache sampler or vLLM), scored by `reward.verifiers`
-   (their sum; the first decides correctness) plus `grpo.rm_weight` x the reward stage's reward
-   model. `sync`: generated now with the current weights, every process its share of prompts.
+   (their weighted sum, batched functions once per batch; the first decides correctness) plus
+   `grpo.rm_weight` x the reward model's score, standardized within each prompt's group with
+   `reward_model.normalize: group` (the reward_model stage's folder, or a pretrained one named by
+   `reward_model.source`). Each function's mean value is logged as `reward/<name>` (and the reward
+   model's as `reward/rm`, `reward/rm_norm`). `sync`: generated now with the current weights, every
+   process its share of prompts.
    `async`: taken from the bounded-staleness buffer that `grpo.generators` Ray actors fill while
    the previous step trains, at most `grpo.max_staleness` policy versions old
    (`posttrain.rl.ray_collect`).
@@ -53,6 +57,7 @@ ticket alone), so it trains on exactly the batches the uninterrupted run sampled
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -68,6 +73,8 @@ from posttrain.rl.batch import MicroBatch, advantages, micro_batches
 from posttrain.rl.collection import StepBatch, build_collection
 from posttrain.rl.critic import Critic, build_critic
 from posttrain.rl.prompts import eval_prompts, training_prompts
+from posttrain.rewards.specs import pretrained_source
+from posttrain.rewards.verifiers import VerifierError
 from posttrain.rl.rollout import WorkerSpec
 from posttrain.training.faults import SettingError
 from posttrain.training.faults import run_main
@@ -77,12 +84,14 @@ from posttrain.training.setup import model_config
 from posttrain.training.stats import data_parallel_sum, local_value, max_over_ranks
 
 STAGE = "grpo"
-READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "grpo")
+READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
+         "reward_model.source", "reward_model.normalize", "grpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "model": "starting policy: the output of the stage before grpo in `pipeline` (absent: model.policy)",
     "reward": "reward stage output (grpo_prompts.parquet); default: the data's prompts split",
-    "reward_model": "the reward_model stage's output (grpo.rm_weight, grpo.critic_init), when reward_model.source is train",
+    "reward_model": "the reward_model stage's output (grpo.rm_weight, grpo.critic_init), when reward_model.source is "
+                    "train; a pretrained reward_model.source is read from the config",
 }
 GENERATION_BATCH = 256  # sequences per native generate() call
 
@@ -224,6 +233,8 @@ def main() -> None:
         backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=int(grpo["group_size"]),
         temperature=float(grpo["temperature"]), max_new_tokens=int(grpo["max_new_tokens"]),
         verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=float(grpo["rm_weight"]),
+        pretrained_reward_model=pretrained_source(cfg["reward_model"]["source"]),
+        rm_normalize=cfg["reward_model"]["normalize"], workdir=os.getcwd(),
         max_batch_size=GENERATION_BATCH, max_model_len=int(cfg["data"]["max_seq_len"]) + int(grpo["max_new_tokens"]),
         seed=int(cfg["seed"]), device=str(run.device),
     )
@@ -276,4 +287,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(STAGE, main)
+    run_main(STAGE, main, extra_errors=(VerifierError,))

@@ -9,11 +9,15 @@ Reads the config keys in `READS`, in this order:
    end-of-turn token) at `reward.temperature`, with the `reward.backend` (`native`: the KV-cache
    sampler; `vllm`: vLLM where installed) from the policy GRPO starts from (`--model`, or
    `model.policy` when GRPO comes first in `pipeline`). Call c of the backend is seeded `seed + c`.
-2. Each sample is scored by every verifier in `reward.verifiers` and, with `--reward_model` (the
-   reward_model stage's output), by the reward model; its reward is their sum. A sample is correct
-   when the first verifier gives it full credit (>= 1, as `evaluate` counts it), and a prompt's
-   pass rate is its share of correct samples. A verifier that fails names the prompt's index in
-   the `prompts` split.
+2. Each sample is scored by every verifier in `reward.verifiers` (batched functions once over all
+   samples) and by the reward model: `--reward_model` (the reward_model stage's output, on the
+   policy's token ids) or a pretrained one named by `reward_model.source` (a folder or hub id, on
+   the conversation its own chat template renders). Its reward is the weighted sum of the verifiers
+   (each entry's `weight`) plus the reward model's score normalized per prompt
+   (`reward_model.normalize`: `group` standardizes each prompt's samples; weight 1 here, so that a
+   sweep over `grpo.rm_weight` shares this stage). A sample is correct when the first verifier gives
+   it full credit (>= 1, as `evaluate` counts it), and a prompt's pass rate is its share of correct
+   samples. A verifier that fails names the prompt's index in the `prompts` split.
 3. GRPO prompts: those with `low < pass rate < high` for `reward.pass_rate_band: [low, high]`.
    Both ends are exclusive, so the default [0, 1] drops prompts the policy never or always solves
    (every sample gets the same reward: no group-relative signal). When no prompt is inside the
@@ -29,7 +33,8 @@ and gives the same output); rerunning the same command continues from it.
 Output (written to a temporary sibling and renamed when complete; identical for the same seed):
     rollouts.parquet      one row per sample: prompt_index, prompt_id, sample, prompt (rendered
                           text), completion, prompt_ids, completion_ids, logprobs, finish_reason,
-                          reward/<verifier>, reward/rm, reward, correct, policy_key
+                          reward/<verifier> (its own value), with a reward model reward/rm (its raw
+                          score) and reward/rm_norm (normalized), reward, correct, policy_key
     pass_rates.parquet    one row per prompt: prompt_index, prompt_id, task, samples, correct,
                           pass_rate, reward_mean, reward_std
     grpo_prompts.parquet  the kept prompts, with the `prompts` split's columns (prompt_ids, id,
@@ -52,10 +57,11 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from posttrain.data.store import load_split
-from posttrain.evaluation.scoring import is_correct
 from posttrain.generation import GenerationBackend, SamplingParams
 from posttrain.generation.backend import build_backend
-from posttrain.rewards import VerifierError, load_reward_model, load_verifiers, score, score_sequences
+from posttrain.rewards import Rewards, VerifierError, load_reward_model, score_sequences
+from posttrain.rewards.reward_model import PretrainedRewardModel, normalize_scores
+from posttrain.rewards.specs import pretrained_source
 from posttrain.training.faults import kill_if_requested
 from posttrain.training.faults import run_main
 from posttrain.training.harness import StageRun
@@ -65,13 +71,15 @@ from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
-READS = ("seed", "model.policy", "data.max_seq_len", "reward")  # data.max_seq_len: the vLLM context
+# data.max_seq_len: the vLLM context; reward_model.source: a pretrained reward model; .normalize: its scale
+READS = ("seed", "model.policy", "data.max_seq_len", "reward", "reward_model.source", "reward_model.normalize")
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
 INPUTS = {
     "data": "prepare_data output (results/data/<key>)",
     "model": "the policy grpo starts from (absent: model.policy)",
-    "reward_model": "the reward_model stage's output, when reward_model.source is train",
+    "reward_model": "the reward_model stage's output, when reward_model.source is train (a pretrained source is "
+                    "read from the config)",
 }
 
 
@@ -124,11 +132,13 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
 
 
 def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], k: int,
-                     verifier_specs: list[str]) -> list[dict[str, float]]:
+                     rewards: Rewards) -> list[dict[str, float]]:
     """One {verifier: reward} per sample (sample i of prompt i // k); a failure names the prompt's index."""
     try:
-        return score(completions, [examples[i // k] for i in range(len(completions))], load_verifiers(verifier_specs))
+        return rewards.score(completions, [examples[i // k] for i in range(len(completions))])
     except VerifierError as e:
+        if e.index is None:  # a batched function failed on the whole batch
+            raise
         i = e.index // k
         # The cause, as `score` worded it after naming the (sample) index.
         prefix = str(VerifierError(e.verifier, e.index, examples[i], "\0")).partition("\0")[0]
@@ -181,9 +191,27 @@ def as_messages(prompt: Any) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
 
+def reward_model_scores(run: StageRun, components: list[dict[str, float]], prompt_ids: list[list[int]],
+                        tokens: list[list[int]], completions: list[str], examples: list[dict[str, Any]], k: int) -> None:
+    """Add the reward model's raw score (`rm`) and its normalized one (`rm_norm`) to each sample's components:
+    the reward_model stage's (`--reward_model`, on the policy's ids) or a pretrained `reward_model.source`."""
+    pretrained = pretrained_source(run.cfg["reward_model"]["source"])
+    if run.args.reward_model:
+        rm = load_reward_model(run.args.reward_model, device=run.device).eval()
+        raw = score_sequences(rm, [prompt_ids[i // k] + t for i, t in enumerate(tokens)], run.tokenizer.pad_id)
+    elif pretrained is not None:
+        raw = PretrainedRewardModel(pretrained, device=run.device).score(
+            [examples[i // k]["prompt"] for i in range(len(tokens))], completions)
+    else:
+        return
+    for c, value, norm in zip(components, raw, normalize_scores(raw, k, run.cfg["reward_model"]["normalize"])):
+        c["rm"], c["rm_norm"] = value, norm
+
+
 def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
                   logprobs: list[list[float]], reasons: list[str], completions: list[str],
-                  components: list[dict[str, float]], first_verifier: str, k: int, tok: Any, key: str | None) -> pd.DataFrame:
+                  components: list[dict[str, float]], totals: list[float], correct: list[bool], k: int, tok: Any,
+                  key: str | None) -> pd.DataFrame:
     """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k)."""
     rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
     return pd.DataFrame({
@@ -197,8 +225,8 @@ def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], token
         "logprobs": logprobs,
         "finish_reason": reasons,
         **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
-        "reward": [sum(c.values()) for c in components],
-        "correct": [is_correct(c, first_verifier) for c in components],
+        "reward": totals,
+        "correct": correct,
         "policy_key": [key] * len(tokens),
     })
 
@@ -233,7 +261,7 @@ def main() -> None:
     key = policy_key(start)
     timing: dict[str, float] = {}
 
-    rm = load_reward_model(args.reward_model, device=run.device).eval() if args.reward_model else None
+    rewards = Rewards(reward["verifiers"])
 
     # 1./2. samples and their rewards
     params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
@@ -243,13 +271,14 @@ def main() -> None:
     tokens, logprobs, reasons = sample(run, start, prompt_ids, params)
     timing["sample_s"] = time.perf_counter() - t0
     completions = tok.decode_batch(tokens)
-    components = verifier_rewards(completions, examples, k, list(reward["verifiers"]))
-    if rm is not None:
-        sequences = [prompt_ids[i // k] + t for i, t in enumerate(tokens)]
-        for c, value in zip(components, score_sequences(rm, sequences, tok.pad_id)):
-            c["rm"] = value
-    rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components,
-                             reward["verifiers"][0], k, tok, key)
+    components = verifier_rewards(completions, examples, k, rewards)
+    totals = [rewards.total(c) for c in components]
+    correct = [rewards.correct(c) for c in components]
+    reward_model_scores(run, components, prompt_ids, tokens, completions, examples, k)
+    if "rm_norm" in components[0]:  # weight 1: the reward model's normalized score
+        totals = [t + c["rm_norm"] for t, c in zip(totals, components)]
+    rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components, totals, correct,
+                             k, tok, key)
 
     # 3./4. GRPO prompts and on-policy pairs
     rates = pass_rates(rollouts, rows, k)

@@ -166,7 +166,9 @@ def test_a_reward_model_starts_the_critic_and_adds_its_weighted_score(tmp_path):
     run_grpo(cfg, data, model, tmp_path / "weighted", reward_model=rm, **env)
     alone, weighted = step_records(tmp_path / "critic"), step_records(tmp_path / "weighted")
     assert all(r["value_loss"] > 0 for r in alone)
-    assert alone[0]["reward_mean"] != weighted[0]["reward_mean"]  # the same samples (step 1), another reward
+    # the same samples (step 1), another reward: rm_weight x the score standardized within each group (mean 0)
+    assert "reward/rm" in weighted[0] and "reward/rm" not in alone[0]
+    assert alone[0]["reward_std"] != weighted[0]["reward_std"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,11 @@ Parameter names are those of Hugging Face's `<Family>ForSequenceClassification` 
 `score.weight`), and `save_reward_model` writes that layout (`num_labels: 1`, `pad_token_id`), so
 `transformers.AutoModelForSequenceClassification` and vLLM's reward pooling load the folder and
 read the same score at the same token (the rightmost non-pad one) when sequences are right-padded.
+
+A reward model from elsewhere (`reward_model.source`: a folder or hub id with a `*ForSequenceClassification`
+head and one label) has a tokenizer and chat template of its own: `PretrainedRewardModel` renders the
+prompt and the completion as a conversation with them, as TRL does for its reward-model `reward_funcs`,
+and scores that. `normalize_scores` puts either kind on a common scale before it is weighed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from posttrain.checkpoint import (
 )
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer
+from posttrain.rewards.specs import RM_NORMALIZE, sequence_classifier_problem
+from posttrain.tokenizer import Tokenizer
 
 SEQUENCE_CLASSIFICATION = {
     "llama": "LlamaForSequenceClassification",
@@ -142,3 +149,69 @@ def save_reward_model(model: RewardModel, out_dir: str | os.PathLike, pad_token_
         "pad_token_id": int(pad_token_id),
     }
     save_hf_model(model.state_dict(), config, Path(out_dir), dtype=dtype)
+
+
+# --- a pretrained reward model, and the scale of its scores -----------------------------------
+
+
+def as_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompts-split prompt (one user string or a message list) as a message list."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+class PretrainedRewardModel:
+    """A sequence classifier from a folder or hub id, scoring (prompt, completion) as its own chat template renders them.
+
+    The text scored is the template applied to the prompt's messages plus the completion as the assistant's
+    turn, tokenized without added special tokens (the template writes them), exactly as TRL scores a
+    reward model among its `reward_funcs`. The score is the head at the last token.
+    """
+
+    def __init__(self, source: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.folder = resolve_model_source(source)
+        problem = sequence_classifier_problem(read_hf_config(self.folder), str(self.folder / "config.json"))
+        if problem:
+            raise CheckpointError(problem)
+        self.model = load_reward_model(self.folder, device, dtype).eval()
+        self.tokenizer = Tokenizer(self.folder)
+        if not self.tokenizer.chat_template:
+            raise CheckpointError(f"{self.folder}: the reward model's tokenizer has no chat template to render "
+                                  "a prompt and its completion with")
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[str]:
+        """The conversations scored: each prompt's messages, then its completion as the assistant's turn."""
+        return [str(self.tokenizer.apply_chat_template([*as_messages(p), {"role": "assistant", "content": c}]))
+                for p, c in zip(prompts, completions, strict=True)]
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[str], batch_size: int = 64) -> list[float]:
+        """One score per (prompt, completion); identical conversations are scored once (so their scores are equal)."""
+        texts = self.texts(prompts, completions)
+        unique = list(dict.fromkeys(texts))
+        scores = dict(zip(unique, score_sequences(self.model, self.tokenizer.encode_batch(unique),
+                                                  self.tokenizer.pad_id, batch_size)))
+        return [scores[t] for t in texts]
+
+
+def normalize_scores(scores: Sequence[float], group_size: int, how: str) -> list[float]:
+    """`reward_model.normalize`: `group` standardizes each run of `group_size` scores (one prompt's samples) to
+    mean 0 and (population) standard deviation 1, a group without spread to 0; `none` keeps the raw scores.
+
+    A reward model's scores have an arbitrary offset and scale (Bradley-Terry is blind to a shift, and each
+    model has its own spread), so raw scores weigh differently for every model; standardized per group, a
+    weight means "that many within-prompt standard deviations" for any model. A prompt's own samples only:
+    the value of a sample does not depend on the rest of the batch, the data-parallel split or sync/async
+    collection, and the reward stage and GRPO compute the same numbers. GRPO's advantages are group-relative
+    anyway, so the mean removed is one they remove too.
+    """
+    if how not in RM_NORMALIZE:
+        raise ValueError(f"reward_model.normalize: {how!r}; allowed: {', '.join(RM_NORMALIZE)}")
+    if how == "none":
+        return [float(s) for s in scores]
+    if group_size < 1 or len(scores) % group_size:
+        raise ValueError(f"{len(scores)} scores do not split into groups of {group_size}")
+    out: list[float] = []
+    for start in range(0, len(scores), group_size):
+        group = torch.tensor(scores[start : start + group_size], dtype=torch.float64)
+        std = float(group.std(unbiased=False)) if len(group) > 1 else 0.0
+        out += [0.0] * len(group) if std < 1e-6 else ((group - group.mean()) / std).tolist()
+    return out

@@ -1,25 +1,46 @@
-"""Rule-based verifiers: score a completion against a reference answer, no model needed.
+"""Rule-based verifiers and reward functions: score a completion against its row, no model needed.
 
 A verifier is any callable ``fn(completion: str, example: dict) -> float``. ``example`` holds at
 least ``prompt``, ``answer`` (the canonical reference answer as text) and ``task``; rows of the
-built-in tasks also carry ``id``. Built-in verifiers return 1.0 or 0.0. Users plug their own in
-the config as ``module:function`` (see `load_verifier`).
+built-in tasks also carry ``id``, rows of a data source every other column. Built-in verifiers
+return 1.0 or 0.0. A *batched* reward function is ``fn(completions: list[str], examples: list[dict])
+-> list[float]``, one value per completion, called once per batch (as TRL calls its ``reward_funcs``).
+
+`reward.verifiers` entries (`reward_spec`): a name, or ``{fn: name, weight: w, batched: b}``. A name is
+a built-in (`VERIFIERS`), ``package.module:function`` (imported from the working directory, the
+checkout or PYTHONPATH) or ``path/to/file.py:function`` (a file, relative to the working directory).
+A completion's reward is the weighted sum of the entries' values (`Rewards.total`); the first entry
+alone decides whether it is correct (full credit, >= 1, on its own unweighted value).
 
 Answer extraction, shared by the built-ins: the *marked* answer is the latest of
 ``#### X``, ``\\boxed{X}``, ``The answer is X`` / ``Answer: X`` in the text; the first number
 (or list) inside it counts. Without a marker, the last number (or list) in the text counts.
+A reference answer with a ``#### X`` line (GSM8K's worked solutions) is read as X (`reference_answer`).
+`math` compares the final answer with the reference by math-verify (LaTeX, fractions, sets, ...).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import math
+import os
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from posttrain.rewards.specs import (
+    BUILTIN_VERIFIERS,
+    RewardSpec,
+    reward_spec,
+    reward_specs,
+    user_function,
+    verifier_name,  # noqa: F401 (re-exported)
+)
+
 Verifier = Callable[[str, Mapping[str, Any]], float]
+BatchedVerifier = Callable[[list[str], list[Mapping[str, Any]]], Sequence[float]]
 
 FINAL_ANSWER_MARKER = "####"
 
@@ -36,15 +57,24 @@ _FORMAT = re.compile(rf"{FINAL_ANSWER_MARKER}[ \t]*(.+?)\.?")
 
 
 class VerifierError(RuntimeError):
-    """A verifier raised (or returned a non-number) on one row: names the row and the verifier."""
+    """A verifier raised (or returned a non-number) on one row: names the row and the verifier.
 
-    def __init__(self, verifier: str, index: int, example: Mapping[str, Any], cause: str):
+    A batched function that raises, or returns the wrong number of values, fails on its whole batch:
+    `index` is None and `batch` the number of completions it was called with.
+    """
+
+    def __init__(self, verifier: str, index: int | None, example: Mapping[str, Any] | None, cause: str,
+                 batch: int | None = None):
         self.verifier = verifier
         self.index = index
-        super().__init__(
-            f"verifier {verifier!r} failed on prompt index {index} "
-            f"(id {example.get('id')!r}, task {example.get('task')!r}): {cause}"
-        )
+        self.batch = batch
+        if index is None:
+            super().__init__(f"verifier {verifier!r} failed on a batch of {batch} completions: {cause}")
+        else:
+            super().__init__(
+                f"verifier {verifier!r} failed on prompt index {index} "
+                f"(id {example.get('id')!r}, task {example.get('task')!r}): {cause}"
+            )
 
 
 def final_answer_text(answer: str) -> str:
@@ -65,11 +95,22 @@ def _boxed(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def marked_answer(text: str) -> tuple[str, str] | None:
+    """(marker, content) of the latest marked answer: marker ``####``, ``boxed`` or ``answer``; None if unmarked."""
+    found = [(m.start(), m.group(1), "####") if m.group(1) is not None else (m.start(), m.group(2), "answer")
+             for m in _MARKED.finditer(text)]
+    found += [(pos, content, "boxed") for pos, content in _boxed(text)]
+    found = [(pos, content.strip(), marker) for pos, content, marker in found if content.strip()]
+    if not found:
+        return None
+    _, content, marker = max(found)
+    return marker, content
+
+
 def extract_answer(text: str) -> str | None:
     """The latest marked answer (``####``, ``\\boxed{}``, "the answer is"), stripped; None if unmarked."""
-    found = [(m.start(), m.group(1) if m.group(1) is not None else m.group(2)) for m in _MARKED.finditer(text)]
-    found = [(pos, content.strip()) for pos, content in found + _boxed(text) if content.strip()]
-    return max(found)[1] if found else None
+    marked = marked_answer(text)
+    return None if marked is None else marked[1]
 
 
 def _to_fraction(number: str) -> Fraction:
@@ -102,16 +143,25 @@ def extract_list(text: str) -> list[int] | None:
     return _ints(runs[0] if marked is not None else runs[-1])
 
 
-def _reference(example: Mapping[str, Any]) -> str:
+def reference_answer(example: Mapping[str, Any]) -> str:
+    """``example['answer']``, stripped; a worked solution with a ``#### X`` line (GSM8K) gives X, with a
+    number's thousands separators dropped (``#### 1,234``: ``1234``)."""
     answer = example.get("answer")
     if not isinstance(answer, str):
         raise ValueError(f"example field 'answer' must be a string, got {answer!r}")
-    return answer.strip()
+    answer = answer.strip()
+    if FINAL_ANSWER_MARKER not in answer:
+        return answer
+    final = [m.group(1).strip() for m in re.finditer(rf"{FINAL_ANSWER_MARKER}[ \t]*([^\n]*)", answer)]
+    final = [f for f in final if f]
+    if not final:
+        raise ValueError(f"example answer {answer!r} has a {FINAL_ANSWER_MARKER} marker with nothing after it")
+    return final[-1].replace(",", "") if _NUMBER.fullmatch(final[-1]) else final[-1]
 
 
 def number_match(completion: str, example: Mapping[str, Any]) -> float:
     """1.0 when the extracted number equals ``example['answer']`` exactly (``12.0`` equals ``12``)."""
-    reference = _reference(example)
+    reference = reference_answer(example)
     if not _NUMBER.fullmatch(reference):
         raise ValueError(f"example answer {reference!r} is not a number")
     return float(extract_number(completion) == _to_fraction(reference))
@@ -119,9 +169,9 @@ def number_match(completion: str, example: Mapping[str, Any]) -> float:
 
 def list_match(completion: str, example: Mapping[str, Any]) -> float:
     """1.0 when the extracted list equals ``example['answer']`` element by element, in order."""
-    reference = _reference(example).strip("[]() ")
+    reference = reference_answer(example).strip("[]() ")
     if not _INT_RUN.fullmatch(reference):
-        raise ValueError(f"example answer {_reference(example)!r} is not a list of integers")
+        raise ValueError(f"example answer {reference_answer(example)!r} is not a list of integers")
     return float(extract_list(completion) == _ints(reference))
 
 
@@ -146,69 +196,153 @@ def task_verifier(completion: str, example: Mapping[str, Any]) -> float:
     if task not in TASK_VERIFIERS:
         raise ValueError(
             f"no built-in verifier for task {task!r} (built-in: {', '.join(sorted(TASK_VERIFIERS))}); "
-            "configure a 'module:function' verifier for it"
+            "configure another verifier for it (math, number, or a function of your own)"
         )
     return TASK_VERIFIERS[task](completion, example)
 
 
+def _math_timeout() -> int | None:
+    """math-verify bounds each parse and comparison with SIGALRM, which only the main thread may set."""
+    return MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+MATH_TIMEOUT_S = 5  # seconds per parse and per comparison (math-verify's default)
+_LATEX = re.compile(r"[\\{}^$]")
+
+
+def _math_parse(text: str, latex: bool) -> list[Any]:
+    from math_verify import parse
+
+    timeout = _math_timeout()
+    if latex:
+        found = parse(text if "$" in text else f"${text}$", parsing_timeout=timeout)
+        if found:
+            return found
+    return parse(text, parsing_timeout=timeout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _math_reference(reference: str) -> tuple[Any, ...]:
+    """The parsed reference (a reference is parsed once per process, its samples many times)."""
+    found = _math_parse(reference, latex=True)
+    if not found:
+        raise ValueError(f"example answer {reference!r} is not an expression math-verify parses")
+    return tuple(found)
+
+
+def _math_completion(completion: str) -> list[Any]:
+    """The completion's final answer, parsed: the latest ``\\boxed{}``, ``####`` or "the answer is" content, else
+    math-verify's own pick from the whole text (the last expression)."""
+    text = completion.replace("\u2212", "-")
+    marked = marked_answer(text)
+    if marked is None:
+        return _math_parse(text, latex=False)
+    marker, content = marked
+    if marker == "boxed":
+        from math_verify import parse
+
+        return parse(f"\\boxed{{{content}}}", parsing_timeout=_math_timeout())
+    return _math_parse(content, latex=bool(_LATEX.search(content)))
+
+
+def math_match(completion: str, example: Mapping[str, Any]) -> float:
+    """1.0 when math-verify finds the completion's final answer equal to the reference (`reference_answer`).
+
+    Equal as mathematics: ``\\frac{1}{2}`` equals 0.5, ``\\{1, 2\\}`` equals ``\\{2, 1\\}``, ``3\\pi`` is not 3.
+    A reference without a ``$`` is read as LaTeX math (wrapped in ``$...$``); one math-verify cannot parse
+    raises (nothing is scored as zero for a bad reference).
+    """
+    from math_verify import verify
+
+    gold = list(_math_reference(reference_answer(example)))
+    predicted = _math_completion(completion)
+    return float(bool(predicted) and verify(gold, predicted, timeout_seconds=_math_timeout()))
+
+
 VERIFIERS: dict[str, Verifier] = {
     "task": task_verifier,
+    "math": math_match,
     "number": number_match,
     "list": list_match,
     "format": format_reward,
     **TASK_VERIFIERS,
 }
+assert set(VERIFIERS) == set(BUILTIN_VERIFIERS), "posttrain.rewards.specs.BUILTIN_VERIFIERS lists the built-ins"
 
 
-def load_verifier(spec: str) -> Verifier:
-    """A built-in verifier by name (see `VERIFIERS`) or a user one as ``package.module:function``.
+class Batched:
+    """A reward function called once per batch: ``fn(completions, examples) -> one value per completion``."""
 
-    The user function must have the signature ``fn(completion: str, example: dict) -> float``.
+    def __init__(self, fn: BatchedVerifier, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, completions: list[str], examples: list[Mapping[str, Any]]) -> Sequence[float]:
+        return self.fn(completions, examples)
+
+    def __repr__(self) -> str:
+        return f"Batched({self.name!r})"
+
+
+def load_verifier(entry: str | Mapping[str, Any] | RewardSpec, workdir: str | os.PathLike | None = None) -> Verifier | Batched:
+    """The function of a `reward.verifiers` entry: a built-in verifier by name (see `VERIFIERS`), or a user
+    one as ``package.module:function`` or ``path/file.py:function`` (relative to `workdir`, by default the
+    working directory).
+
+    A per-sample function is returned as is: ``fn(completion: str, example: dict) -> float``; a batched one
+    (``batched: true``) wrapped in `Batched`: ``fn(completions: list[str], examples: list[dict]) -> list[float]``.
     """
-    if spec in VERIFIERS:
-        return VERIFIERS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not (sep and module_name and attr):
+    spec = reward_spec(entry)
+    if spec.name in VERIFIERS:
+        if spec.batched:
+            raise ValueError(f"verifier {spec.name!r}: a built-in verifier scores one completion at a time; drop batched")
+        return VERIFIERS[spec.name]
+    if spec.module is None or not spec.attr:
         raise ValueError(
-            f"verifier {spec!r}: neither a built-in ({', '.join(sorted(VERIFIERS))}) nor 'module:function'"
+            f"verifier {spec.name!r}: neither a built-in ({', '.join(sorted(VERIFIERS))}), 'module:function' "
+            "nor 'path/file.py:function'"
         )
+    fn = user_function(spec, workdir)
+    return Batched(fn, spec.name) if spec.batched else fn
+
+
+def load_verifiers(entries: Sequence[str | Mapping[str, Any] | RewardSpec],
+                   workdir: str | os.PathLike | None = None) -> dict[str, Verifier | Batched]:
+    """{name: verifier} for a config list such as ``reward.verifiers``; names must be distinct."""
+    return {spec.name: load_verifier(spec, workdir) for spec in reward_specs(entries)}
+
+
+def _batch_values(name: str, verifier: Batched, completions: Sequence[str],
+                  examples: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """One call of a batched function on every completion; its values, one per completion."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"verifier {spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ImportError(f"verifier {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TypeError(f"verifier {spec!r}: {attr!r} is not callable")
-    return fn
-
-
-def load_verifiers(specs: Sequence[str]) -> dict[str, Verifier]:
-    """{spec: verifier} for a config list such as ``reward.verifiers``; specs must be distinct."""
-    if len(set(specs)) != len(specs):
-        raise ValueError(f"verifiers: duplicate entries in {list(specs)!r}")
-    return {spec: load_verifier(spec) for spec in specs}
+        values = list(verifier(list(completions), list(examples)))
+    except Exception as e:
+        raise VerifierError(name, None, None, f"{type(e).__name__}: {e}", batch=len(completions)) from e
+    if len(values) != len(completions):
+        raise VerifierError(name, None, None, f"returned {len(values)} values for {len(completions)} completions "
+                            "(a batched function returns one per completion)", batch=len(completions))
+    return values
 
 
 def score(
-    completions: Sequence[str], examples: Sequence[Mapping[str, Any]], verifiers: Mapping[str, Verifier]
+    completions: Sequence[str], examples: Sequence[Mapping[str, Any]], verifiers: Mapping[str, Verifier | Batched]
 ) -> list[dict[str, float]]:
     """One {verifier name: reward} dict per completion; ``examples[i]`` is the row of ``completions[i]``.
 
+    Per-sample verifiers are called completion after completion; a `Batched` one once, on all of them.
     A verifier that raises or returns a non-finite value stops scoring with a `VerifierError`
     naming the index and the verifier; nothing is silently scored as zero.
     """
     if len(completions) != len(examples):
         raise ValueError(f"score: {len(completions)} completions but {len(examples)} examples")
+    batched = {name: _batch_values(name, verifier, completions, examples)
+               for name, verifier in verifiers.items() if isinstance(verifier, Batched) and completions}
     rows = []
     for index, (completion, example) in enumerate(zip(completions, examples)):
         row = {}
         for name, verifier in verifiers.items():
             try:
-                value = float(verifier(completion, example))
+                value = float(batched[name][index] if name in batched else verifier(completion, example))
             except Exception as e:
                 raise VerifierError(name, index, example, f"{type(e).__name__}: {e}") from e
             if not math.isfinite(value):
@@ -216,3 +350,31 @@ def score(
             row[name] = value
         rows.append(row)
     return rows
+
+
+class Rewards:
+    """The configured reward functions (`reward.verifiers`), loaded: their scores, their weighted sum, correctness.
+
+    `workdir`: what a `path/file.py:function` is relative to (the working directory by default).
+    """
+
+    def __init__(self, entries: Sequence[str | Mapping[str, Any] | RewardSpec], workdir: str | os.PathLike | None = None):
+        if not entries:
+            raise ValueError("reward.verifiers is empty: at least one verifier decides what is correct")
+        self.specs = reward_specs(entries)
+        self.verifiers = {spec.name: load_verifier(spec, workdir) for spec in self.specs}
+        self.weights = {spec.name: spec.weight for spec in self.specs}
+        self.first = self.specs[0].name
+
+    def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+        """Each function's own (unweighted) value per completion (`score`)."""
+        return score(completions, examples, self.verifiers)
+
+    def total(self, values: Mapping[str, float]) -> float:
+        """The reward of one completion: sum over the entries, in config order, of weight x value."""
+        return sum(self.weights[name] * values[name] for name in self.weights)
+
+    def correct(self, values: Mapping[str, float]) -> bool:
+        """Full credit (>= 1) from the first entry, on its own value."""
+        return values[self.first] >= 1.0
+

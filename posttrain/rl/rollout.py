@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from posttrain.evaluation.scoring import is_correct
 from posttrain.generation.backend import GenerationBackend, Weights, build_backend
 from posttrain.generation.sampler import SamplingParams
-from posttrain.rewards.reward_model import load_reward_model, score_sequences
-from posttrain.rewards.verifiers import load_verifiers, score
+from posttrain.rewards.reward_model import PretrainedRewardModel, load_reward_model, normalize_scores, score_sequences
+from posttrain.rewards.verifiers import Rewards
 from posttrain.tokenizer import Tokenizer
 
 
@@ -37,6 +36,7 @@ class RolloutGroup:
     correct: list[bool]  # full credit from the first verifier
     version: int  # policy version of the generator's weights
     index: int = -1  # row of the prompt in its prompt set
+    components: list[dict[str, float]] = field(default_factory=list)  # per completion: each function's own value
 
     @property
     def group_size(self) -> int:
@@ -61,38 +61,65 @@ class PromptBatch:
 
 
 class RewardFunction:
-    """Reward of a completion: the sum of the configured verifiers, plus `rm_weight` x a reward model's score.
+    """Reward of a completion: the weighted sum of the configured verifiers, plus `rm_weight` x a reward model's
+    score, normalized per prompt (`reward_model.normalize`, `posttrain.rewards.reward_model.normalize_scores`).
 
-    `verifier_specs` are `reward.verifiers` entries (built-in names or `module:function`); the
-    first one decides correctness (pass rate, eval accuracy), as in the evaluate stage.
+    `verifier_specs` are `reward.verifiers` entries (built-in names, `module:function`, `path/file.py:function`
+    relative to `workdir`, or `{fn, weight, batched}`); the first one decides correctness (pass rate, eval
+    accuracy), as in the evaluate stage. The reward model is the reward_model stage's folder
+    (`reward_model_dir`, scored on the policy's token ids: it shares the policy's tokenizer) or a pretrained one
+    (`pretrained`: a folder or hub id, scored on the conversation its own chat template renders); it is loaded
+    only when `rm_weight` is not 0.
     """
 
-    def __init__(self, verifier_specs: Sequence[str], reward_model_dir: str | Path | None = None,
-                 rm_weight: float = 0.0, pad_id: int = 0):
+    def __init__(self, verifier_specs: Sequence[Any], reward_model_dir: str | Path | None = None,
+                 rm_weight: float = 0.0, pad_id: int = 0, pretrained: str | None = None, normalize: str = "group",
+                 workdir: str | None = None, device: str = "cpu"):
         if not verifier_specs:
             raise ValueError("reward.verifiers is empty: GRPO needs at least one verifier")
+        self.rewards = Rewards(verifier_specs, workdir)
         self.specs = list(verifier_specs)
-        self.verifiers = load_verifiers(self.specs)
         self.rm_weight = float(rm_weight)
         self.pad_id = pad_id
+        self.normalize = normalize
         self.reward_model = None
+        self.pretrained: PretrainedRewardModel | None = None
         if self.rm_weight:
-            if reward_model_dir is None or not Path(reward_model_dir).is_dir():
+            if pretrained is not None:
+                self.pretrained = PretrainedRewardModel(pretrained, device)
+            elif reward_model_dir is None or not Path(reward_model_dir).is_dir():
                 raise FileNotFoundError(
                     f"grpo.rm_weight is {self.rm_weight} but there is no reward model at {reward_model_dir} "
-                    "(set reward_model.source: train, or grpo.rm_weight: 0)"
+                    "(set reward_model.source: train or a pretrained model, or grpo.rm_weight: 0)"
                 )
-            self.reward_model = load_reward_model(reward_model_dir).eval()
+            else:
+                self.reward_model = load_reward_model(reward_model_dir, device).eval()
+
+    def scores(self, texts: Sequence[str], sequences: Sequence[Sequence[int]], examples: Sequence[Mapping[str, Any]],
+               group_size: int = 1) -> tuple[list[float], list[bool], list[dict[str, float]]]:
+        """(rewards, correct, components) of completions `texts`, consecutive runs of `group_size` being one
+        prompt's samples; `sequences` are prompt + completion ids (for the reward_model stage's model).
+        `components`: per completion, each function's own value, and with a reward model its raw score (`rm`)
+        and the normalized one that is weighed (`rm_norm`)."""
+        values = self.rewards.score(texts, examples)
+        rewards = [self.rewards.total(v) for v in values]
+        correct = [self.rewards.correct(v) for v in values]
+        raw = None
+        if self.reward_model is not None:
+            raw = score_sequences(self.reward_model, sequences, self.pad_id)
+        elif self.pretrained is not None:
+            raw = self.pretrained.score([e["prompt"] for e in examples], texts)
+        if raw is not None:
+            norm = normalize_scores(raw, group_size, self.normalize)
+            rewards = [r + self.rm_weight * m for r, m in zip(rewards, norm)]
+            values = [{**v, "rm": r, "rm_norm": m} for v, r, m in zip(values, raw, norm)]
+        return rewards, correct, values
 
     def __call__(self, texts: Sequence[str], sequences: Sequence[Sequence[int]],
-                 examples: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[bool]]:
-        """(rewards, correct) of completions `texts`; `sequences` are prompt + completion ids (for the RM)."""
-        scores = score(texts, examples, self.verifiers)
-        rewards = [sum(s.values()) for s in scores]
-        if self.reward_model is not None:
-            rm = score_sequences(self.reward_model, sequences, self.pad_id)
-            rewards = [r + self.rm_weight * m for r, m in zip(rewards, rm)]
-        return rewards, [is_correct(s, self.specs[0]) for s in scores]
+                 examples: Sequence[Mapping[str, Any]], group_size: int = 1) -> tuple[list[float], list[bool]]:
+        """(rewards, correct) of completions `texts` (see `scores`)."""
+        rewards, correct, _ = self.scores(texts, sequences, examples, group_size)
+        return rewards, correct
 
 
 class RolloutWorker:
@@ -132,7 +159,8 @@ class RolloutWorker:
         out = self.backend.generate(prompts, self.params, seed)
         texts = self.tokenizer.decode_batch(out.tokens)
         examples = [e for e in batch.examples for _ in range(k)]
-        rewards, correct = self.reward_fn(texts, [p + c for p, c in zip(prompts, out.tokens)], examples)
+        rewards, correct, components = self.reward_fn.scores(texts, [p + c for p, c in zip(prompts, out.tokens)],
+                                                             examples, group_size=k)
         index = batch.index or [-1] * len(batch)
         return [
             RolloutGroup(
@@ -140,13 +168,15 @@ class RolloutWorker:
                 completions=out.tokens[g * k : (g + 1) * k], logprobs=out.logprobs[g * k : (g + 1) * k],
                 finish_reasons=out.finish_reasons[g * k : (g + 1) * k], rewards=rewards[g * k : (g + 1) * k],
                 correct=correct[g * k : (g + 1) * k], version=version, index=int(index[g]),
+                components=components[g * k : (g + 1) * k],
             )
             for g in range(len(batch))
         ]
 
 
 def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
-    """Reward mean/std, pass rate, response length, truncation and the share of groups with no signal.
+    """Reward mean/std, pass rate, response length, truncation, the share of groups with no signal, and the
+    mean of each reward function's own value (`reward/<name>`; `reward_mean` is their weighted sum).
 
     A group whose rewards are all equal has zero advantage everywhere: it costs a training pass
     and teaches nothing (`zero_signal_frac`).
@@ -156,7 +186,7 @@ def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     correct = [c for g in groups for c in g.correct]
     truncated = [f == "length" for g in groups for f in g.finish_reasons]
     flat = [len(set(g.rewards)) == 1 for g in groups]
-    return {
+    stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "pass_rate": sum(correct) / len(correct),
@@ -164,6 +194,11 @@ def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         "truncated_frac": sum(truncated) / len(truncated),
         "zero_signal_frac": sum(flat) / len(flat),
     }
+    if all(len(g.components) == g.group_size for g in groups):
+        values = [c for g in groups for c in g.components]
+        for name in values[0]:
+            stats[f"reward/{name}"] = float(torch.tensor([c[name] for c in values], dtype=torch.float64).mean())
+    return stats
 
 
 @dataclass(frozen=True)
@@ -176,9 +211,12 @@ class WorkerSpec:
     group_size: int
     temperature: float
     max_new_tokens: int
-    verifiers: tuple[str, ...]
-    reward_model_dir: str | None = None
+    verifiers: tuple[Any, ...]  # reward.verifiers entries
+    reward_model_dir: str | None = None  # the reward_model stage's folder (the policy's tokenizer)
     rm_weight: float = 0.0
+    pretrained_reward_model: str | None = None  # reward_model.source: a folder or hub id (its own tokenizer)
+    rm_normalize: str = "group"  # reward_model.normalize
+    workdir: str | None = None  # what `path/file.py:function` verifiers are relative to (the stage's working directory)
     max_batch_size: int = 256  # sequences per native generate() call
     max_model_len: int | None = None  # vLLM: prompt + completion budget
     seed: int = 0
@@ -193,7 +231,9 @@ def build_worker(spec: WorkerSpec) -> RolloutWorker:
                             max_batch_size=spec.max_batch_size, setting="grpo.backend")
     params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                             stop_token_ids=tokenizer.eos_ids)
-    reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id)
+    reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id,
+                               pretrained=spec.pretrained_reward_model, normalize=spec.rm_normalize,
+                               workdir=spec.workdir, device=spec.device)
     return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn)
 
 

@@ -10,9 +10,11 @@ fingerprint, upstream outputs by their keys, and what the user brings by `user_i
   hub id by its cached revision; a preset is our code. Data prep reads a model folder only for its
   tokenizer (`model.tokenizer`, else `model.policy`), so only the tokenizer files enter its key: a
   changed weight reruns SFT, not data prep.
-- `reward.verifiers` entries `module:function`: the module's code and that of the modules it imports
-  from beside it, fingerprinted like ours (comments and docstrings aside); an installed package by
-  its name and version.
+- `reward.verifiers` entries `module:function` and `path/file.py:function` (a file relative to the working
+  directory): the module's code and that of the modules it imports from beside it, fingerprinted like
+  ours (comments and docstrings aside); an installed package by its name and version.
+- `reward_model.source`, a pretrained reward model (the reward and grpo stages): a local folder by its
+  content, a hub id by its cached revision, like `model.policy`.
 
 A folder's content is the hash of its files' relative paths and hashes; names starting with `.`
 (`.git`, `.cache`) are skipped. File hashes are cached by path, size, mtime and inode (as git's
@@ -126,9 +128,16 @@ def _installed_roots() -> list[Path]:
     return [Path(paths[k]).resolve() for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths]
 
 
-def code_record(module: str, search: Sequence[str]) -> dict[str, Any]:
+def code_record(module: str, search: Sequence[str], workdir: str | os.PathLike | None = None) -> dict[str, Any]:
     """A user module's record: its code (and that of the modules beside it that it imports), or for an
-    installed package its distribution and version. Raises LookupError when the module is nowhere."""
+    installed package its distribution and version. `module` is dotted, or a `path/file.py` relative to
+    `workdir` (the working directory). Raises LookupError when the module is nowhere."""
+    if module.endswith(".py"):
+        file = (Path(workdir if workdir is not None else os.getcwd()) / Path(module).expanduser()).resolve()
+        if not file.is_file():
+            raise LookupError(f"reward file {module!r}: no such file {file} (relative to the working directory)")
+        hashes = module_hashes(file, file.parent, package=None)
+        return {"file": module, "path": str(file), "code": fingerprint(hashes), "modules": hashes}
     file = find_module_file(module, search)
     if file is None:
         raise LookupError(f"module {module!r} is not in the checkout, the working directory or PYTHONPATH")
@@ -193,8 +202,12 @@ def user_inputs(stage: str, settings: Mapping[str, Any], hashes: ContentHashes, 
         path = Path(source["path"]).expanduser()
         out[f"data.sources[{i}].path"] = (_local_record(path, hashes) if path.exists()
                                           else hub_revision(source["path"], source.get("revision"), "dataset"))
-    for i, spec in enumerate(settings.get("reward", {}).get("verifiers", [])):
-        module, sep, _ = spec.partition(":")
+    for i, entry in enumerate(settings.get("reward", {}).get("verifiers", [])):
+        name = entry if isinstance(entry, str) else entry["fn"]
+        module, sep, _ = name.rpartition(":")
         if sep:
             out[f"reward.verifiers[{i}]"] = code_record(module, search)
+    source = settings.get("reward_model", {}).get("source")
+    if source not in (None, "train"):  # a pretrained reward model: its weights and tokenizer
+        out["reward_model.source"] = model_record(source, hashes, ())
     return out

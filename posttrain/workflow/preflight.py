@@ -19,19 +19,28 @@ config can break are checked here, for every variant, with the config key to cha
   and are left to data prep); a bare model name is a preset (or a close one is suggested); a model
   folder (or cached hub id) is of an architecture the model code builds; the tokenizer data prep
   uses has a chat template;
-- reward functions (`reward.verifiers: module:function`): the module imports from where the stages
-  look (the working directory, the checkout, PYTHONPATH) and the function takes (completion, example).
+- reward functions (`reward.verifiers`): a `module:function` imports from where the stages look (the working
+  directory, the checkout, PYTHONPATH), a `path/file.py:function` file exists relative to the working
+  directory and imports, and the function takes (completion, example), or (completions, examples) when
+  batched; no function is listed twice; `math` has math-verify installed; `task` scores rows of the built-in
+  tasks only, so a `prompts` or `eval` source without a `task` column is refused with it;
+- a pretrained reward model (`reward_model.source`: a folder or a cached hub id): its config.json declares a
+  sequence classifier with one label, of an architecture the model code builds, and its tokenizer has a chat
+  template; PPO's critic starts only from the reward_model stage's model (it reads the policy's tokens).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from posttrain.rules import optimizer_in_backward_problems, parallel_degrees_problem, parallel_layout_problem
@@ -40,6 +49,19 @@ from posttrain.workflow.inputs import code_search_path
 from posttrain.workflow.model_names import preset_names, supported_model_types
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, on every stage's PYTHONPATH
+
+
+@cache
+def reward_specs_module() -> ModuleType:
+    """`posttrain/rewards/specs.py` loaded as a plain file: the package's `__init__` imports torch, which a dry
+    run does not (the stages import the same file as `posttrain.rewards.specs`)."""
+    path = REPO / "posttrain" / "rewards" / "specs.py"
+    spec = importlib.util.spec_from_file_location("_posttrain_rewards_specs", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
 
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -116,7 +138,7 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             max_grad_norm=rm["max_grad_norm"])]
     if cfg["grpo"]["rm_weight"] and rm["source"] is None:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
-                         "reward_model.source: train or grpo.rm_weight: 0"))
+                         "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
     return problems
 
 
@@ -129,9 +151,14 @@ def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                              "with data parallelism only; set it to 1"))
     if grpo["ratio"] == "sequence":
         problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
-    if grpo["critic_init"] == "reward_model" and cfg["reward_model"]["source"] is None:
+    source = cfg["reward_model"]["source"]
+    if grpo["critic_init"] == "reward_model" and source is None:
         problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
                          "or critic_init: policy"))
+    elif grpo["critic_init"] == "reward_model" and source != "train":
+        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
+                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
+                         "reward_model.source: train"))
     return problems
 
 
@@ -225,38 +252,161 @@ def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
             "tokenizer has one in model.tokenizer")
 
 
-def verifier_problem(spec: str, search: Sequence[str]) -> str | None:
-    """Whether `module:function` imports from where the stages look (`inputs.code_search_path`) and takes
-    (completion, example), as the stages call it."""
-    module_name, _, attr = spec.partition(":")
-    before = list(sys.path)
-    sys.path[:0] = [p for p in search if p not in sys.path]
+def _signature_problem(spec: Any, value: Any) -> str | None:
+    """Whether `value` takes the arguments the stages call it with (per sample, or batched)."""
+    call = ("a batched reward function is called as fn(completions: list[str], examples: list[dict]) -> list[float]"
+            if spec.batched else "a verifier is called as fn(completion: str, example: dict) -> float")
     try:
-        value: Any = importlib.import_module(module_name)
-    except Exception as err:  # the user's module: any error it raises on import is theirs to see
-        return (f"{spec}: cannot import {module_name!r} ({type(err).__name__}: {err}); modules are looked for in the "
-                "working directory, the checkout and PYTHONPATH")
-    finally:
-        sys.path[:] = before
-    for part in attr.split("."):
-        if not hasattr(value, part):
-            return f"{spec}: module {module_name!r} ({getattr(value, '__file__', '?')}) has no {attr!r}"
-        value = getattr(value, part)
-    if not callable(value):
-        return f"{spec}: {attr!r} is not callable"
-    try:
-        inspect.signature(value).bind("completion", {})
+        inspect.signature(value).bind(["completion"] if spec.batched else "completion", [{}] if spec.batched else {})
     except TypeError:
-        return f"{spec}: takes {inspect.signature(value)}; a verifier is called as fn(completion: str, example: dict) -> float"
+        return f"{spec.name}: takes {inspect.signature(value)}; {call}"
     except ValueError:
         pass  # no signature to read (a builtin): the stage's call will tell
     return None
 
 
+def verifier_problem(entry: str | Mapping[str, Any], search: Sequence[str], workdir: str | None = None) -> str | None:
+    """Whether a `reward.verifiers` entry can be called as the stages call it: a built-in (math needs math-verify),
+    a `module:function` that imports from where the stages look (`inputs.code_search_path`), or a
+    `path/file.py:function` relative to `workdir` (the working directory); the function takes (completion,
+    example), or (completions, examples) when batched."""
+    specs = reward_specs_module()
+    spec = specs.reward_spec(entry)
+    if spec.name in specs.BUILTIN_VERIFIERS:
+        if spec.batched:
+            return f"{spec.name}: a built-in verifier scores one completion at a time; drop batched: true"
+        if spec.name == "math" and importlib.util.find_spec("math_verify") is None:
+            return "math: the math verifier needs the math-verify package (pip install math-verify==0.9.0)"
+        return None
+    module_name, attr = spec.module, spec.attr
+    if spec.is_file:
+        file = specs.user_module_file(module_name, workdir)
+        if not file.is_file():
+            return f"{spec.name}: no such file {file} (a reward file's path is relative to the working directory)"
+        try:
+            value: Any = specs.load_file_module(file)
+        except Exception as err:  # the user's file: any error it raises on import is theirs to see
+            return f"{spec.name}: cannot import {file} ({type(err).__name__}: {err})"
+        where = str(file)
+    else:
+        before = list(sys.path)
+        sys.path[:0] = [p for p in search if p not in sys.path]
+        try:
+            value = importlib.import_module(module_name)
+        except Exception as err:  # the user's module: any error it raises on import is theirs to see
+            return (f"{spec.name}: cannot import {module_name!r} ({type(err).__name__}: {err}); modules are looked for "
+                    "in the working directory, the checkout and PYTHONPATH")
+        finally:
+            sys.path[:] = before
+        where = f"module {module_name!r} ({getattr(value, '__file__', '?')})"
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            return f"{spec.name}: {where} has no {attr!r}"
+        value = getattr(value, part)
+    if not callable(value):
+        return f"{spec.name}: {attr!r} is not callable"
+    return _signature_problem(spec, value)
+
+
+def _has_task_column(source: Mapping[str, Any]) -> bool:
+    """Whether a data source's rows carry a `task` (mapped in `columns`, or a local file's first row has one)."""
+    if "task" in (source.get("columns") or {}):
+        return True
+    path = Path(str(source["path"])).expanduser()
+    if not path.is_file():
+        return False  # a hub dataset: map its task column in `columns` if it has one
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet
+
+            return "task" in pyarrow.parquet.read_schema(path).names
+        with path.open(encoding="utf-8") as f:
+            if path.suffix == ".csv":
+                return "task" in f.readline().strip().split(",")
+            first = f.readline() if path.suffix == ".jsonl" else f.read()
+        row = json.loads(first)
+        if isinstance(row, dict) and isinstance(row.get("data"), list):
+            row = row["data"]
+        if isinstance(row, list):
+            row = row[0] if row else {}
+        return isinstance(row, dict) and "task" in row
+    except (OSError, ValueError, IndexError, AttributeError, TypeError):
+        return True  # unreadable here: data prep names the file
+
+
+def task_verifier_problem(cfg: Mapping[str, Any], names: Sequence[str]) -> tuple[str, str] | None:
+    """`task` scores a row by its built-in task (`task` field: arithmetic, sort, reverse); a `prompts` or `eval`
+    source whose rows have no task would fail it at the first evaluation or in the reward stage."""
+    if "task" not in names:
+        return None
+    untagged = [s["path"] for s in cfg["data"]["sources"] if s.get("kind") in ("prompts", "eval") and not _has_task_column(s)]
+    if not untagged:
+        return None
+    return (f"reward.verifiers[{list(names).index('task')}]",
+            f"task scores rows of the built-in tasks (data.tasks) by their task field, and the rows of "
+            f"{', '.join(dict.fromkeys(map(str, untagged)))} have none; use math (it reads GSM8K's '#### 42' "
+            "references too), number or a function of your own (or map a task column in the source's columns)")
+
+
+def reward_model_problem(source: str) -> str | None:
+    """What is wrong with a pretrained `reward_model.source`: it must be a folder or a cached hub id whose
+    config.json declares a sequence classifier with one label, of a model type the model code builds, with a
+    tokenizer that has a chat template (the prompt and completion are rendered with it)."""
+    specs = reward_specs_module()
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{source}: a reward model is a folder (config.json, *.safetensors, tokenizer files)"
+        config_path, folder = path / "config.json", path
+    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
+        return f"{source}: no such folder (a pretrained reward model is a folder or a hub id owner/name)"
+    else:
+        cached = _hub_file(source, "config.json")
+        if cached is None:
+            if _offline():
+                return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where "
+                        "there is network (`huggingface-cli download`) or name a local folder")
+            return None  # downloaded when the stage starts, and checked there
+        config_path, folder = cached, cached.parent
+    config = specs.read_json_config(config_path)
+    if config is None:
+        return f"{config_path}: no config.json (a JSON object) in the reward model's folder"
+    why = specs.sequence_classifier_problem(config, str(config_path)) or _architecture_problem(source, config_path)
+    if why:
+        return why
+    if not (folder / "tokenizer.json").is_file():
+        return f"{source}: no tokenizer.json; the reward model's own tokenizer renders what it scores"
+    if folder_chat_template(folder) is None:
+        return f"{source}: its tokenizer has no chat template to render a prompt and its completion with"
+    return None
+
+
+def reward_problems(cfg: Mapping[str, Any], search: Sequence[str]) -> list[tuple[str, str]]:
+    """(config key, what is wrong) for `reward.verifiers` and a pretrained `reward_model.source`."""
+    specs = reward_specs_module()
+    problems, names = [], []
+    for i, entry in enumerate(cfg["reward"]["verifiers"]):
+        name = specs.verifier_name(entry)
+        if name in names:
+            problems.append((f"reward.verifiers[{i}]", f"{name}: listed twice (also reward.verifiers[{names.index(name)}])"))
+        names.append(name)
+        why = verifier_problem(entry, search)
+        if why:
+            problems.append((f"reward.verifiers[{i}]", why))
+    task = task_verifier_problem(cfg, names)
+    if task:
+        problems.append(task)
+    source = specs.pretrained_source(cfg["reward_model"]["source"])
+    why = reward_model_problem(cfg["reward_model"]["source"]) if source is not None else None
+    if why:
+        problems.append(("reward_model.source", why))
+    return problems
+
+
 def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(config key, what is wrong) for each model, tokenizer, data source or reward function that cannot be
-    found or used: a missing one, an architecture the model code does not build, a tokenizer without a chat
-    template, a reward module that does not import or a function with another signature."""
+    """(config key, what is wrong) for each model, tokenizer, data source, reward function or reward model that
+    cannot be found or used: a missing one, an architecture the model code does not build, a tokenizer without a
+    chat template, a reward module or file that does not import or a function with another signature."""
     problems = []
     for key in ("policy", "student", "tokenizer"):
         source = cfg["model"].get(key)
@@ -266,11 +416,7 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     template = chat_template_problem(cfg) if not problems else None
     if template:
         problems.append(template)
-    search = code_search_path(REPO)
-    for i, spec in enumerate(cfg["reward"]["verifiers"]):
-        why = verifier_problem(spec, search) if ":" in spec else None
-        if why:
-            problems.append((f"reward.verifiers[{i}]", why))
+    problems += reward_problems(cfg, code_search_path(REPO))
     for i, spec in enumerate(cfg["data"]["sources"]):
         path = str(spec["path"])
         local = Path(path).expanduser()
