@@ -21,14 +21,14 @@ DPO_CFG = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma"
 
 
 def run_stage(stage: str, argv: list, monkeypatch) -> None:
-    """Run stages/<stage>.py's `main()` in this process with the command line `python stages/<stage>.py ARGV`,
-    without `run_main` around it, so an expected failure stays an exception the test can match.
+    """Run stages/<stage>.py in this process as its command line does (`python stages/<stage>.py ARGV`,
+    through `run_main`: an expected failure is one line on stderr and SystemExit(1)).
 
     To replace a function the stage uses, monkeypatch it on its `posttrain` module first: the script's
     `from posttrain... import` runs here, so it picks up the replacement."""
     script = REPO / "stages" / f"{stage}.py"
     monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
-    runpy.run_path(str(script), run_name=f"stage_{stage}")["main"]()
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def write_config(path: Path, cfg: dict) -> Path:

@@ -170,7 +170,8 @@ def test_user_sources_with_folder_tokenizer_and_bad_rows(tmp_path: Path, monkeyp
     prompts.write_text("question,answer\nCompute 2 + 2.,4\nCompute 3 + 3.,6\n")
     sources = [{"kind": "sft", "path": str(sft)},
                {"kind": "prompts", "path": str(prompts), "columns": {"prompt": "question"}}]
-    sources = validate_config({"data": {"sources": sources}})["data"]["sources"]  # the schema's defaults filled in
+    # the schema's defaults filled in (`number` reads their answers; `task` needs a task column)
+    sources = validate_config({"data": {"sources": sources}, "reward": {"verifiers": ["number"]}})["data"]["sources"]
     cfg = _config(tasks=[], sources=sources, on_bad_row="skip")
     cfg["model"]["policy"] = str(model)
     out = _run_in_process(cfg, tmp_path, tmp_path / "out", monkeypatch)

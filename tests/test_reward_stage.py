@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import runpy
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -89,9 +87,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, seed: int = 1234,
-              reward_model: Path | None = None, as_main: bool = False, rm_section: dict[str, Any] | None = None,
-              **reward: Any) -> Path:
-    """The reward stage in this process; `as_main`: as `python stages/reward.py` runs it (through `run_main`)."""
+              reward_model: Path | None = None, rm_section: dict[str, Any] | None = None, **reward: Any) -> Path:
+    """The reward stage in this process, as `python stages/reward.py` runs it (through `run_main`)."""
     settings = {"n_prompts": 8, "samples_per_prompt": K, "max_new_tokens": 8, "verifiers": ["user_verifiers:even_length"],
                 **reward}
     cfg = _config("reward", f"reward-{out.name}", data=DATA, reward=settings, reward_model=rm_section or {})
@@ -100,13 +97,8 @@ def run_stage(setup: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch,
     config.write_text(json.dumps(cfg))
     monkeypatch.syspath_prepend(str(setup["tmp"]))
     rm = ["--reward_model", reward_model] if reward_model else []
-    argv = ["--config", config, "--data", setup["data"], "--model", setup["policy"], *rm, "--out", out]
-    if as_main:
-        script = ROOT / "stages" / "reward.py"
-        monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
-        runpy.run_path(str(script), run_name="__main__")
-    else:
-        run_script("reward", argv, monkeypatch)
+    run_script("reward", ["--config", config, "--data", setup["data"], "--model", setup["policy"], *rm, "--out", out],
+               monkeypatch)
     return out
 
 
@@ -251,7 +243,7 @@ def test_verifier_error_names_the_prompt_index(setup, tmp_path, monkeypatch, cap
     spec = f"user_verifiers:{verifier}"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:  # a verifier's error is a known one for this stage: one line, exit 1
-        run_stage(setup, tmp_path / "err", monkeypatch, as_main=True, verifiers=["user_verifiers:even_length", spec])
+        run_stage(setup, tmp_path / "err", monkeypatch, verifiers=["user_verifiers:even_length", spec])
     assert exited.value.code == 1
     row = setup["rows"][2]
     assert capsys.readouterr().err.splitlines()[-1] == (

@@ -177,14 +177,16 @@ def test_smoke_pipeline_runs_on_slurm(slurm_cluster, workdir, tmp_path):
 
 def _on_two_nodes(cluster: LocalSlurm, tmp: Path, name: str, script: Path, *args: Path | str) -> list[str]:
     """Run `script` as the workflow launches `resources: {nodes: 2}` (one CPU process a node) inside a
-    two-node allocation; the torchrun of each node, as a torchrun shim on PATH recorded it."""
+    two-node allocation; the torchrun of each node (`python -m torch.distributed.run` from the workflow's
+    interpreter), as a shim of that interpreter recorded it."""
     shims = tmp / f"{name}-bin"
     shims.mkdir()
     log = tmp / f"{name}-torchrun.log"
-    (shims / "torchrun").write_text(f'#!/bin/sh\necho "$SLURMD_NODENAME $*" >> {log}\n'
-                                    f'exec {sys.executable} -m torch.distributed.run "$@"\n')
-    (shims / "torchrun").chmod(0o755)
-    prefix = command_prefix(LaunchSpec(nodes=2, procs=1, threads=1), str(REPO))
+    (shims / "python").write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2\n'
+                                  f'  echo "$SLURMD_NODENAME $*" >> {log}; set -- -m torch.distributed.run "$@"; fi\n'
+                                  f'exec {sys.executable} "$@"\n')
+    (shims / "python").chmod(0o755)
+    prefix = command_prefix(LaunchSpec(nodes=2, procs=1, threads=1), str(REPO), python=str(shims / "python"))
     line = " ".join([prefix, str(script), *map(str, args)])
     env = {**cluster.env, "PATH": f"{shims}:{Path(sys.executable).parent}:{cluster.env['PATH']}"}
     start = time.perf_counter()
