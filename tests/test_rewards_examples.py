@@ -68,7 +68,8 @@ def local_config(name: str, stand_ins: dict[str, Any], results: Path) -> dict[st
         if cfg["model"][key] and not is_preset(cfg["model"][key]):
             cfg["model"][key] = str(stand_ins["model"])
     for source in cfg["data"]["sources"]:
-        source["path"] = str(stand_ins["files"][source["path"]])  # same kind and columns, a local file
+        # same kind and columns, a local file (which holds one split and no subsets)
+        source.update(path=str(stand_ins["files"][source["path"]]), subset=None, split=None)
     for kind in ("n_sft", "n_preference", "n_prompts", "n_eval"):
         cfg["data"][kind] = min(cfg["data"][kind], COUNTS)
     cfg["eval"].update(n_prompts=4, max_new_tokens=8, lm_eval_tasks=[])
