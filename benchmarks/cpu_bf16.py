@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from posttrain.checkpoint import load_hf_model
-    from posttrain.evaluation.machine import ISA_FLAGS, cpu_model_and_flags
+    from posttrain.model_files import load_hf_model
+    from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
 
     model = load_hf_model(args.model).train()
     tokens = torch.randint(0, model.hf_config["vocab_size"], (args.rows, args.seq), generator=torch.Generator().manual_seed(0))

@@ -3,8 +3,8 @@
 The model has Qwen3's real vocabulary (151,936) and hidden size 512 (a few layers, tied
 embeddings, as in `benchmarks/sft_memory.py`); a batch of `--pairs` preference pairs of `--seq`
 tokens each side, the first quarter of each the prompt (not scored). Each variant runs in a fresh
-process (`benchmarks/_memory.py`), built by the stage's own pieces: `build_model`,
-`build_optimizer_and_scheduler`, `posttrain.dpo.pair_logprobs` and the reference classes.
+process (`benchmarks/_memory.py`), built by the stage's own pieces: `build_model`, `Optimization`,
+the reference classes of `posttrain.dpo` and the stage's step (`posttrain.dpo.step.preference_step`).
 
 - `precompute`: the reference log-probs are computed in setup by a no-grad pass of the starting
   model (what `stages/dpo.py` does before training) and looked up; no reference model is kept.
@@ -38,8 +38,8 @@ import torch
 
 import _memory  # benchmarks/ is on sys.path when run as a script
 from _memory import peak_memory
+from sft_memory import model_config  # the same model: Qwen3's vocabulary, hidden size 512
 
-QWEN3_VOCAB = 151_936
 MEMORY_OFF = {
     "activation_checkpointing": 0,
     "optimizer_in_backward": False,
@@ -59,25 +59,6 @@ MEMORY_ON = {
 }
 
 
-def model_config(layers: int) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_act": "silu",
-        "vocab_size": QWEN3_VOCAB,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "tie_word_embeddings": True,
-    }
-
-
 def variant_config(features: str, reference: str, low_bit: str | None) -> dict[str, Any]:
     memory = dict(MEMORY_ON if features == "on" else MEMORY_OFF)
     if features == "on":
@@ -88,7 +69,7 @@ def variant_config(features: str, reference: str, low_bit: str | None) -> dict[s
         "parallel": {"tp": 1, "dp_replicate": 1},
         "dpo": {
             "method": "full", "reference": reference, "loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0,
-            "steps": 10, "lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0, "grad_accum": 1,
+            "simpo_gamma": 0.5, "chosen_nll_weight": 0.0, "skip_nonfinite": 0, "steps": 10, "lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0, "grad_accum": 1,
             "max_grad_norm": None if memory["optimizer_in_backward"] else 1.0,
         },
     }
@@ -119,9 +100,11 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], pairs: int, seq: int, 
     if threads:
         torch.set_num_threads(threads)
     from posttrain.dpo import OnlineReference, PrecomputedReference, pair_logprobs
+    from posttrain.dpo.step import preference_step
     from posttrain.losses.head import OutputHead
     from posttrain.parallel import build_mesh, init_distributed
-    from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
+    from posttrain.training.optimization import Optimization
+    from posttrain.training.setup import build_model
 
     info = init_distributed()
     base_mib = process_base_mib(info.device.type)  # on CUDA a one-process group: the stage's FSDP2 path (mixed precision)
@@ -137,9 +120,10 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], pairs: int, seq: int, 
     else:
         frozen = build_model(None, hf_config, info, mesh, cfg, "full").requires_grad_(False).eval()
         reference = OnlineReference(frozen, OutputHead(frozen, mesh, memory))
-    optimizer, _ = build_optimizer_and_scheduler(model, cfg["dpo"], memory)
-    state = {"model": model, "head": head, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "reference": reference,
-             "clip": max_grad_norm(cfg["dpo"]), "batch": batch, "base_mib": base_mib}
+    optimization = Optimization(model, cfg["dpo"], memory, mesh, "dpo")
+    step = preference_step({**cfg["dpo"], "batch_size": pairs}, model, head, reference, optimization, mesh,
+                           info.device, pad_id=-1)
+    state = {"optimization": optimization, "step": step, "batch": batch, "base_mib": base_mib}
     train_step(state)  # warm-up
     return state
 
@@ -150,20 +134,10 @@ def measured_step(state: dict[str, Any]) -> tuple[float, float]:
 
 
 def train_step(state: dict[str, Any]) -> float:
-    from posttrain.dpo import pair_logprobs
-    from posttrain.losses.dpo import dpo_loss
-    from posttrain.optim import OptimizerInBackward, clip_grad_norm_
-
-    model, optimizer, batch, cfg = state["model"], state["optimizer"], state["batch"], state["cfg"]
-    ref_chosen, ref_rejected = state["reference"](batch)
-    policy = pair_logprobs(model, state["head"], batch)
-    loss, _ = dpo_loss(policy.chosen, policy.rejected, ref_chosen, ref_rejected, beta=cfg["dpo"]["beta"])
-    loss.backward()
-    if not isinstance(optimizer, OptimizerInBackward):
-        clip_grad_norm_(model.parameters(), state["clip"])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    """The DPO stage's step (`posttrain.dpo.step`) on the state's batch, then its optimizer step; the loss."""
+    record = state["step"]([state["batch"]])
+    state["optimization"].step(1, record["loss"])
+    return record["loss"]
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.workflow.schema import load_config

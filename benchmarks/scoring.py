@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.data.tasks import make_splits
 from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend, import_vllm
 from posttrain.models import Transformer, preset_config

@@ -3,9 +3,9 @@
 The model has Qwen3's real vocabulary (151,936) and hidden size 512 (a few layers, tied
 embeddings as Qwen3-0.6B); one row of `--seq` tokens (2048), 1/8 of them prompt (ignored by the
 loss). Each variant runs in a fresh process (`benchmarks/_memory.py`), built by the stage's own
-setup (`posttrain.training.setup.build_model` + `build_optimizer_and_scheduler`) and loss
-(`posttrain.losses.head.summed_lm_loss`, as `stages/sft.py`): one warm-up step in setup allocates optimizer states and loads
-kernels, then one measured step (forward, loss, backward, clip, optimizer step).
+setup (`posttrain.training.setup.build_model`, `posttrain.training.optimization.Optimization`) and
+step (`posttrain.sft.step.sft_step`, what `stages/sft.py` runs): one warm-up step in setup allocates
+optimizer states and loads kernels, then one measured step (forward, loss, backward, clip, optimizer step).
 
 Reported per variant: `total` = memory held after setup (weights, gradients' absence, optimizer
 states; on CPU also the process's libraries, the same for every variant) + the step's peak above it.
@@ -80,7 +80,7 @@ def variant_config(names: tuple[str, ...]) -> dict[str, Any]:
             "lora": {"rank": 8, "alpha": 16, "dropout": 0.0,
                      "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
             "steps": 10, "lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0,
-            "grad_accum": 1, "max_grad_norm": 1.0,
+            "grad_accum": 1, "max_grad_norm": 1.0, "skip_nonfinite": 0,
         },
     }
     for name in names:
@@ -94,12 +94,14 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int
         torch.set_num_threads(threads)
     from posttrain.losses.head import OutputHead
     from posttrain.parallel import build_mesh, init_distributed
-    from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
+    from posttrain.sft.step import sft_step
+    from posttrain.training.optimization import Optimization
+    from posttrain.training.setup import build_model
 
     info = init_distributed()  # on CUDA a one-process group: the stage's FSDP2 path (mixed precision)
     mesh = build_mesh(info)
     model = build_model(None, hf_config, info, mesh, cfg, cfg["sft"]["method"], cfg["sft"]["lora"])
-    optimizer, _ = build_optimizer_and_scheduler(model, cfg["sft"], cfg["memory"])
+    optimization = Optimization(model, cfg["sft"], cfg["memory"], mesh, "sft")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, hf_config["vocab_size"], (1, seq + 1), generator=gen)
     labels = ids[:, 1:].clone()
@@ -110,27 +112,17 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int
         "document_ids": torch.zeros(1, seq, dtype=torch.long),
         "position_ids": torch.arange(seq)[None],
     }
-    state = {
-        "model": model, "optimizer": optimizer, "mesh": mesh, "cfg": cfg, "clip": max_grad_norm(cfg["sft"]),
-        "batch": {k: v.to(info.device) for k, v in batch.items()}, "head": OutputHead(model, mesh, cfg["memory"]),
-    }
+    step = sft_step(model, OutputHead(model, mesh, cfg["memory"]), optimization, mesh, info.device, pad_id=-1)
+    state = {"optimization": optimization, "step": step, "batch": {k: v.to(info.device) for k, v in batch.items()}}
     train_step(state)  # warm-up: optimizer states, kernels, lazy inits (and torchao's compile)
     return state
 
 
 def train_step(state: dict[str, Any]) -> float:
-    from posttrain.losses.head import summed_lm_loss
-    from posttrain.optim import OptimizerInBackward, clip_grad_norm_
-
-    model, optimizer, batch = state["model"], state["optimizer"], state["batch"]
-    loss = summed_lm_loss(model, state["head"], batch)
-    tokens = int((batch["labels"] != -100).sum())
-    (loss / tokens).backward()
-    if not isinstance(optimizer, OptimizerInBackward):
-        clip_grad_norm_(model.parameters(), state["clip"])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach()) / tokens
+    """The SFT stage's step (`posttrain.sft.step`) on the state's batch, then its optimizer step; the loss."""
+    record = state["step"]([state["batch"]])
+    state["optimization"].step(1, record["loss"])
+    return record["loss"]
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ batch) and as the SFT loader batches them (padding-free: the rows' trained spans
 few rows as fit). packed / padded-as-stored is what packing buys over padding; padding-free /
 as-stored what the loader buys when data prep did not pack.
 Then, on packed rows, each memory feature alone shows its speed cost against the baseline.
-The step is the stage's own (`build_model`, `build_optimizer_and_scheduler`, `summed_lm_loss`);
+The step is the stage's own (`build_model`, `Optimization`, `posttrain.sft.step.sft_step`);
 `--warmup` steps (compilation, lazy states) are not timed, `--steps` are.
 
     python benchmarks/sft_throughput.py [--device cpu|cuda] [--seq 256] [--rows 8] [--steps 5]
@@ -30,10 +30,11 @@ import torch
 
 from posttrain.data.loader import length_multiple, sft_rows_batch
 from posttrain.data.packing import pack_or_pad
-from posttrain.losses.head import OutputHead, summed_lm_loss
+from posttrain.losses.head import OutputHead
 from posttrain.models import preset_config
-from posttrain.optim import OptimizerInBackward, clip_grad_norm_
-from posttrain.training.setup import build_model, build_optimizer_and_scheduler, max_grad_norm
+from posttrain.sft.step import sft_step
+from posttrain.training.optimization import Optimization
+from posttrain.training.setup import build_model
 from _documents import skewed_documents  # benchmarks/ is on sys.path when run as a script
 from sft_memory import variant_config
 
@@ -56,7 +57,7 @@ def batches(rows: dict[str, np.ndarray], batch_rows: int, memory: dict[str, Any]
             ) -> list[tuple[dict[str, torch.Tensor], int]]:
     """Consecutive rows as the SFT stage's loader batches them under the `memory` settings
     (`repack=False`: rows as stored, trimmed only)."""
-    multiple = length_multiple(bool(memory["compile"]))
+    multiple = length_multiple(memory["compile"] is not None)
     return [(sft_rows_batch(*stored, repack=repack, multiple=multiple), useful)
             for stored, useful in stored_batches(rows, batch_rows)]
 
@@ -67,8 +68,8 @@ def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     model = build_model(None, hf_config, info, None, cfg, cfg["sft"]["method"], cfg["sft"]["lora"])
-    optimizer, _ = build_optimizer_and_scheduler(model, cfg["sft"], cfg["memory"])
-    head, clip = OutputHead(model, None, cfg["memory"]), max_grad_norm(cfg["sft"])
+    optimization = Optimization(model, cfg["sft"], cfg["memory"], None, "sft")
+    train_step = sft_step(model, OutputHead(model, None, cfg["memory"]), optimization, None, device, pad_id=-1)
     useful, seconds = 0, 0.0
     for i in range(warmup + steps):
         stored, tokens = data[i % len(data)]
@@ -76,12 +77,7 @@ def tokens_per_second(cfg: dict[str, Any], hf_config: dict[str, Any], data: list
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = summed_lm_loss(model, head, batch)
-        (loss / max(int((batch["labels"] != -100).sum()), 1)).backward()
-        if not isinstance(optimizer, OptimizerInBackward):
-            clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimization.step(i + 1, train_step([batch])["loss"])
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:

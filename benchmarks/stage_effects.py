@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 from safetensors.torch import load_file
 
-from posttrain.evaluation.readme_table import machine_description, read_machine
-from posttrain.evaluation.summary import read_summary
+from posttrain.report.readme_table import machine_description, read_machine
+from posttrain.report.summary import read_summary
 from posttrain.utils.io import file_sha256
 from posttrain.workflow.plan import MODEL_STAGES, STAGE_DIRS
 

@@ -40,10 +40,7 @@ Resume state, metrics and the HF output folder as in SFT.
 
 from __future__ import annotations
 
-import torch
-
-from posttrain.checkpoint import resolve_model_source
-from posttrain.data.loader import Batch, Batches, length_multiple, prompt_batches, sft_batches, to_device
+from posttrain.data.loader import Batches, length_multiple, prompt_batches, sft_batches, to_device
 from posttrain.distill import (
     SampledBatches,
     VocabularyMismatchError,
@@ -53,15 +50,15 @@ from posttrain.distill import (
     sampling_model,
     student_config,
 )
-from posttrain.evaluation.greedy import first_eval_rows, greedy_accuracy
-from posttrain.losses.ce import num_loss_tokens
+from posttrain.distill.step import distill_step
+from posttrain.evaluation.greedy import first_eval_rows, model_greedy_accuracy
 from posttrain.losses.head import OutputHead
+from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer
 from posttrain.training.faults import run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
-from posttrain.training.stats import data_parallel_sum, non_pad_tokens
 
 STAGE = "distill"
 READS = ("seed", "model.policy", "model.student", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "distill")
@@ -74,11 +71,11 @@ INPUTS = {
 def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("teacher",))
     cfg, distill, data_dir = run.cfg, run.section, run.args.data
-    accum = int(distill["grad_accum"])
+    accum = distill["grad_accum"]
     on_policy = distill["data"] == "on_policy"
     sampled = on_policy or distill["data"] == "teacher_samples"
     # Cross-entropy needs reference labels: on the student's own samples it would only reinforce them.
-    ce_weight = 0.0 if on_policy else float(distill["ce_weight"])
+    ce_weight = 0.0 if on_policy else distill["ce_weight"]
     verifier = cfg["reward"]["verifiers"][0]
 
     # --- teacher (frozen) and student: one tokenizer, one vocabulary ---
@@ -91,17 +88,14 @@ def main() -> None:
     optimization = run.optimization(student)
     heads = OutputHead(student, run.mesh, run.memory), OutputHead(teacher, run.mesh, run.memory)
 
-    def loss_of(batch: Batch, weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return distill_loss(student, heads[0], teacher, heads[1], batch, distill, weight)
-
     # --- data: the SFT split (teacher-forced), or completions sampled for the prompts split ---
     micro = run.micro_batch_size()
-    multiple = length_multiple(bool(run.memory["compile"]), cfg["parallel"]["tp"])
+    multiple = length_multiple(run.memory["compile"] is not None, cfg["parallel"]["tp"])
     if sampled:
         prompts = prompt_batches(data_dir, micro, seed=cfg["seed"], rank=run.dp_rank, world_size=run.dp_size)
-        train: Batches | SampledBatches = SampledBatches(prompts, int(distill["on_policy_every"]) * accum,
-                                                         int(distill["max_new_tokens"]),
-                                                         int(cfg["data"]["max_seq_len"]), run.tokenizer)
+        train: Batches | SampledBatches = SampledBatches(prompts, distill["on_policy_every"] * accum,
+                                                         distill["max_new_tokens"],
+                                                         cfg["data"]["max_seq_len"], run.tokenizer)
     else:
         train = sft_batches(data_dir, micro, seed=cfg["seed"], rank=run.dp_rank, world_size=run.dp_size,
                             multiple=multiple)
@@ -111,50 +105,35 @@ def main() -> None:
         """Held-out divergence and cross-entropy: one pass over `sft_eval`, from its start each time."""
         held_out = sft_batches(data_dir, micro, seed=cfg["seed"], split="sft_eval", rank=run.dp_rank,
                                world_size=run.dp_size, shuffle=False, loop=False, multiple=multiple)
-        means = held_out_means(student, held_out, lambda batch: loss_of(batch, 0.0)[1], ("kd/divergence", "kd/ce"),
+        means = held_out_means(student, held_out, lambda batch: distill_loss(student, heads[0], teacher, heads[1], batch, distill, 0.0)[1], ("kd/divergence", "kd/ce"),
                                run.mesh, run.device)
         return {"eval_divergence": means["kd/divergence"], "eval_ce": means["kd/ce"]}
 
     run.resume(student, optimization, train)
     before = run.measure_before(lambda: {"eval_divergence": evaluate()["eval_divergence"]})
 
-    last_loss = float("nan")
+    train_step = distill_step(student, heads[0], teacher, heads[1], distill, ce_weight, optimization, run.mesh,
+                              run.device, run.tokenizer.pad_id)
+    record: dict[str, float] = {}
     for step in run.steps():
         generated = None
         if sampled and train.empty():
             # The frozen teacher's sampling copy is made once; the student's follows its weights.
             if on_policy or sampler is None:
                 sampler = sampling_model(student if on_policy else teacher, run.mesh, sampler)
-            generated = train.refill(sampler, seed=int(cfg["seed"]) + step)
-        batches = [to_device(next(train), run.device) for _ in range(accum)]
-        loss_tokens, useful_tokens = data_parallel_sum(
-            [sum(num_loss_tokens(b["labels"]) for b in batches),
-             sum(non_pad_tokens(b["input_ids"], run.tokenizer.pad_id) for b in batches)],
-            run.mesh, run.device,
-        )
-        # Like SFT: the summed loss of the step over its trained tokens (all micro-batches, all ranks).
-        step_loss, step_divergence, step_ce = 0.0, 0.0, 0.0
-        for batch in batches:
-            loss, parts = loss_of(batch, ce_weight)
-            optimization.backward(loss, per=loss_tokens)
-            step_loss += float(loss.detach())
-            step_divergence += float(parts["kd/divergence"])
-            step_ce += float(parts["kd/ce"])
-        last_loss, step_divergence, step_ce = (
-            v / max(loss_tokens, 1) for v in data_parallel_sum([step_loss, step_divergence, step_ce], run.mesh, run.device)
-        )
-        record = {"loss": last_loss, "divergence": step_divergence, "ce": step_ce,
-                  **optimization.step(step, last_loss), "loss_tokens": int(loss_tokens)}
-        record["tokens_per_s"] = useful_tokens / run.seconds()
+            generated = train.refill(sampler, seed=cfg["seed"] + step)
+        record = train_step([to_device(next(train), run.device) for _ in range(accum)])
+        useful = record.pop("useful_tokens")
+        record.update(optimization.step(step, record["loss"]))
         if generated is not None:
             record["generated_tokens"] = generated
-        run.log_step(record, postfix={"loss": ".4f", "divergence": ".4f"})
+        run.log_step(record, postfix={"loss": ".4f", "divergence": ".4f"}, tokens=useful)
 
     # --- held-out divergence and greedy accuracy of teacher and student ---
     after = evaluate()
-    prompts_eval, examples = first_eval_rows(data_dir, int(distill["eval_prompts"]), cfg["seed"])
-    accuracy = {role: greedy_accuracy(sampling_model(model, run.mesh), prompts_eval, examples, run.tokenizer, verifier,
-                                      int(distill["max_new_tokens"]), run.mesh, run.device)
+    prompts_eval, examples = first_eval_rows(data_dir, distill["eval_prompts"], cfg["seed"])
+    accuracy = {role: model_greedy_accuracy(sampling_model(model, run.mesh), prompts_eval, examples, run.tokenizer, verifier,
+                                      distill["max_new_tokens"], run.mesh, run.device)
                 for role, model in (("teacher", teacher), ("student", student))}
     run.log(run.total_steps, {**after, "teacher_accuracy": accuracy["teacher"], "student_accuracy": accuracy["student"]})
     summary = {
@@ -166,7 +145,7 @@ def main() -> None:
         "eval_divergence_before": before["eval_divergence"],
         "eval_divergence_after": after["eval_divergence"],
         "eval_ce_after": after["eval_ce"],
-        "train_loss_last": last_loss,
+        "train_loss_last": record["loss"],
         "steps": run.total_steps,
         "teacher": str(teacher_dir),
         "teacher_params": parameter_count(teacher_config),

@@ -10,7 +10,7 @@ On the first `eval.n_prompts` rows of the data's `eval` split (problems never tr
 - `eval.samples` completions per prompt at `eval.temperature` -> `pass@k` for k in `eval.pass_k`
   (unbiased estimator, `posttrain.evaluation.passk`);
 - a completion is correct when the first of `reward.verifiers` gives it full credit; `reward` is
-  the weighted sum of all of them (`posttrain.evaluation.scoring`, `posttrain.rewards.verifiers`:
+  the weighted sum of all of them (`posttrain.evaluation.task_metrics`, `posttrain.rewards.verifiers`:
   built-ins, `module:function`, `path/file.py:function` relative to the working directory, batched ones
   called once per batch of completions).
 On `sft_eval`: `nll` per trained token and `ppl`. For a DPO model: `pref_acc`, the share of
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from posttrain.training.faults import run_main
-from posttrain.checkpoint import load_hf_model, resolve_model_source
+from posttrain.model_files import load_hf_model, resolve_model_source
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
@@ -105,7 +105,7 @@ def evaluated_model(model_arg: str | None, cfg: dict[str, Any], tok: Tokenizer,
         model_dir = Path(model_arg)
         return load_hf_model(model_dir, device).eval(), read_provenance(model_dir), model_dir
     source = cfg["model"]["policy"]
-    model = initial_model(source, model_config(source, tok), int(cfg["seed"])).to(device).eval()
+    model = initial_model(source, model_config(source, tok), cfg["seed"]).to(device).eval()
     record = {"stage": BASE, "key": None, "source": source}
     return model, record, None if is_preset(source) else resolve_model_source(source)
 

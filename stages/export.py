@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from posttrain.training.faults import run_main
-from posttrain.checkpoint import CheckpointError, load_hf_model, save_hf_model, weight_files
+from posttrain.model_files import CheckpointError, load_hf_model, save_hf_model, weight_files
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
 from posttrain.stage_config import load_stage_config, parse_inputs

@@ -20,7 +20,7 @@ Each step:
    process its share of prompts.
    `async`: taken from the bounded-staleness buffer that `grpo.generators` Ray actors fill while
    the previous step trains, at most `grpo.max_staleness` policy versions old
-   (`posttrain.rl.ray_collect`).
+   (`posttrain.rl.ray_collector`).
 2. Advantages by `grpo.advantage`: group-relative (GRPO, Dr. GRPO, RLOO, REINFORCE++), or PPO's
    (`gae`): a critic (`posttrain.rl.critic`, started from the policy or the reward model, its own
    AdamW at `grpo.critic_lr`) values every completion token, GAE (`grpo.gamma`, `grpo.gae_lambda`)
@@ -56,32 +56,21 @@ ticket alone), so it trains on exactly the batches the uninterrupted run sampled
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh
-
-from posttrain.losses.grpo import grpo_loss
-from posttrain.losses.ppo import gae, whiten
 from posttrain.losses.head import OutputHead
-from posttrain.models import Transformer
-from posttrain.parallel import mesh_size
-from posttrain.rl.batch import MicroBatch, advantages, micro_batches
-from posttrain.rl.collection import StepBatch, build_collection
-from posttrain.rl.critic import Critic, build_critic
-from posttrain.rl.prompts import eval_prompts, training_prompts
 from posttrain.rewards.specs import pretrained_source
 from posttrain.rewards.verifiers import VerifierError
+from posttrain.rl.collection import build_collection
+from posttrain.rl.critic import build_critic
+from posttrain.rl.prompts import eval_prompts, training_prompts
 from posttrain.rl.rollout import WorkerSpec
-from posttrain.training.faults import SettingError
-from posttrain.training.faults import run_main
+from posttrain.rl.step import CriticBaseline, GRPOStep, GroupBaseline
+from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
-from posttrain.training.optimization import Optimization
 from posttrain.training.setup import model_config
-from posttrain.training.stats import data_parallel_sum, local_value, max_over_ranks
 
 STAGE = "grpo"
 READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
@@ -94,116 +83,6 @@ INPUTS = {
                     "train; a pretrained reward_model.source is read from the config",
 }
 GENERATION_BATCH = 256  # sequences per native generate() call
-
-
-def ppo_targets(critic: Critic, batches: list[MicroBatch], grpo: dict[str, Any], mesh: DeviceMesh | None,
-                device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """PPO: per-token advantages from the critic's values by GAE (whitened over the step's tokens on every rank with
-    `grpo.std_normalize`), put into `batches` in place of the completions' rewards; returns each
-    batch's (values, returns), the value loss's targets."""
-    targets, token_advantages, masks = [], [], [batch.mask.to(device) for batch in batches]
-    for batch, mask in zip(batches, masks):
-        values = critic.values(batch.input_ids.to(device))
-        adv, returns = gae(batch.advantages.to(device), values, mask, float(grpo["gamma"]), float(grpo["gae_lambda"]))
-        targets.append((values * mask, returns))
-        token_advantages.append(adv)
-    if grpo["std_normalize"]:
-        flat = torch.cat([adv[mask] for adv, mask in zip(token_advantages, masks)]).double()
-        total, total_sq, count = data_parallel_sum([flat.sum(), flat.square().sum(), flat.numel()], mesh, device)
-        token_advantages = [whiten(adv, mask, total, total_sq, count) for adv, mask in zip(token_advantages, masks)]
-    for i, adv in enumerate(token_advantages):
-        batches[i] = dataclasses.replace(batches[i], advantages=adv.cpu())
-    return targets
-
-
-def train_on(rollouts: StepBatch, step: int, model: Transformer, head: OutputHead, reference: Transformer | None,
-             ref_head: OutputHead | None, optimization: Optimization, grpo: dict[str, Any], pad_id: int,
-             mesh: DeviceMesh | None, device: torch.device, critic: Critic | None = None) -> dict[str, Any]:
-    """Advantages, then `grpo.inner_epochs` passes over the rollouts with one optimizer step each; the step's metrics.
-
-    The loss divides by the whole step's token (or completion) count. The PPO ratio is taken
-    against the trainer's own log-probs at the step's starting weights, which the first pass
-    computes anyway; the generator's log-probs enter only the truncated importance weight.
-    """
-    temperature, passes = float(grpo["temperature"]), int(grpo["inner_epochs"])
-    if critic is None:
-        adv = advantages(rollouts.groups, grpo["std_normalize"], grpo["advantage"],
-                         lambda values: data_parallel_sum(values, mesh, device))
-    else:  # PPO: each completion's reward, spread over its tokens by GAE (`ppo_targets`)
-        adv = torch.tensor([r for g in rollouts.groups for r in g.rewards], dtype=torch.float32)
-    batches = micro_batches(rollouts.groups, adv, int(grpo["micro_batch_size"]), pad_id,
-                            length_multiple=mesh_size(mesh, "tp"))
-    value_targets = ppo_targets(critic, batches, grpo, mesh, device) if critic is not None else []
-    step_tokens, step_rows = data_parallel_sum(
-        [sum(int(b.mask.sum()) for b in batches), sum(len(b.advantages) for b in batches)], mesh, device)
-    # GSPO's loss is a mean over sequences; token-level normalization is a token ratio's
-    denominator = step_tokens if grpo["token_level"] and grpo["ratio"] == "token" else step_rows
-    old: list[torch.Tensor] = []
-    ref: list[torch.Tensor | None] = []
-    sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight"), 0.0)
-    value_sums = dict.fromkeys(("value_loss", "value_mean", "value_clip_frac"), 0.0)
-    critic_norm = 0.0
-    outcome: dict[str, Any] = {}
-    gap_max = 0.0  # largest |trainer - generator| token log-prob at the step's starting weights
-    for epoch in range(passes):
-        for i, batch in enumerate(batches):
-            batch = batch.to(device)
-            tokens = float(batch.mask.sum())
-            with head.context():
-                logp, entropy = head.token_logprobs_and_entropy(model(batch.input_ids), batch.targets, batch.mask,
-                                                                temperature)
-                if epoch == 0:
-                    old.append(logp.detach())
-                    with torch.no_grad():
-                        ref.append(None if reference is None else ref_head.token_logprobs_and_entropy(
-                            reference(batch.input_ids), batch.targets, batch.mask, temperature)[0])
-                loss, m = grpo_loss(
-                    logp, old[i], batch.advantages, batch.mask, clip_eps=float(grpo["clip_eps"]),
-                    token_level=bool(grpo["token_level"]), denominator=denominator, ref_logprobs=ref[i],
-                    kl_coef=float(grpo["kl_coef"]), generator_logprobs=batch.generator_logprobs,
-                    tis_cap=float(grpo["tis_cap"]), clip_eps_high=grpo["clip_eps_high"], ratio_level=grpo["ratio"],
-                )
-                optimization.backward(loss)
-            if critic is not None:
-                value = critic.backward(batch.input_ids, *value_targets[i], batch.mask, denominator=step_tokens)
-                value_sums["value_loss"] += value["value_loss"]
-                for name in ("value_mean", "value_clip_frac"):
-                    value_sums[name] += value[name] * tokens
-            sums["loss"] += float(local_value(loss.detach()))
-            sums["clip_frac"] += float(m["clip_frac"]) * tokens
-            sums["tis_weight"] += float(m["tis/weight_mean"]) * tokens
-            if "kl" in m:
-                sums["kl"] += float(m["kl"]) * tokens
-            if epoch == 0:
-                sums["entropy"] += float((entropy.detach() * batch.mask).sum())
-                log_gap = (batch.generator_logprobs - logp.detach()) * batch.mask
-                sums["generator_kl"] += float((log_gap.exp() - log_gap - 1).sum())
-                gap_max = max(gap_max, float(log_gap.abs().max()))
-        if critic is not None:
-            critic_norm = critic.step()
-        (step_loss,) = data_parallel_sum([sums["loss"]], mesh, device)
-        # lr, the last pass's grad_norm, and skipped when any pass was
-        outcome = {**optimization.step(step, step_loss, advance_schedule=epoch == passes - 1),
-                   **({"skipped": 1} if "skipped" in outcome else {})}
-    loss_sum, entropy_sum, clip_sum, kl_sum, gen_kl_sum, tis_sum = data_parallel_sum(list(sums.values()), mesh, device)
-    record = {
-        "loss": loss_sum / passes, **rollouts.stats,
-        "entropy": entropy_sum / max(step_tokens, 1),
-        "clip_frac": clip_sum / max(step_tokens * passes, 1),
-        "generator_kl": gen_kl_sum / max(step_tokens, 1),
-        "logprob_gap_max": max_over_ranks(gap_max, device),
-        "tis_weight_mean": tis_sum / max(step_tokens * passes, 1),
-        **outcome,
-        "samples": int(step_rows),
-    }
-    if reference is not None:
-        record["kl"] = kl_sum / max(step_tokens * passes, 1)
-    if critic is not None:
-        value_loss, value_mean, value_clip = data_parallel_sum(list(value_sums.values()), mesh, device)
-        record.update(value_loss=value_loss / passes, critic_grad_norm=critic_norm,
-                      value_mean=value_mean / max(step_tokens * passes, 1),
-                      value_clip_frac=value_clip / max(step_tokens * passes, 1))
-    return record
 
 
 def main() -> None:
@@ -219,7 +98,7 @@ def main() -> None:
                            "parallel.cp and parallel.ep to 1")
     if ppo and grpo["ratio"] == "sequence":
         raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
-    rows_per_rank = grpo["prompts_per_step"] // run.dp_size * int(grpo["group_size"])
+    rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]
     hf_config = model_config(start, run.tokenizer)
     model = run.build_model(start, hf_config)
     reference = run.frozen_model(start, hf_config) if grpo["kl_coef"] > 0 else None
@@ -230,21 +109,24 @@ def main() -> None:
 
     # --- rollouts: generators (in this process, or Ray actors) fed by the reward stage's prompts ---
     spec = WorkerSpec(
-        backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=int(grpo["group_size"]),
-        temperature=float(grpo["temperature"]), max_new_tokens=int(grpo["max_new_tokens"]),
-        verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=float(grpo["rm_weight"]),
+        backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=grpo["group_size"],
+        temperature=grpo["temperature"], max_new_tokens=grpo["max_new_tokens"],
+        verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=grpo["rm_weight"],
         pretrained_reward_model=pretrained_source(cfg["reward_model"]["source"]),
         rm_normalize=cfg["reward_model"]["normalize"], workdir=os.getcwd(),
-        max_batch_size=GENERATION_BATCH, max_model_len=int(cfg["data"]["max_seq_len"]) + int(grpo["max_new_tokens"]),
-        seed=int(cfg["seed"]), device=str(run.device),
+        max_batch_size=GENERATION_BATCH, max_model_len=cfg["data"]["max_seq_len"] + grpo["max_new_tokens"],
+        seed=cfg["seed"], device=str(run.device),
     )
     collection = build_collection(
         model, spec, lambda rank, size: training_prompts(args.data, args.reward, grpo["prompts_per_step"], cfg["seed"], rank, size),
         grpo, cfg["seed"], run.mesh, run.device, run.dp_rank, run.dp_size, run.is_main,
     )
-    held_out = eval_prompts(args.data, int(grpo["eval_prompts"]), run.dp_rank, run.dp_size)
+    held_out = eval_prompts(args.data, grpo["eval_prompts"], run.dp_rank, run.dp_size)
 
-    critic = build_critic(grpo, start, args.reward_model, int(cfg["seed"]), run.device, run.mesh) if ppo else None
+    critic = build_critic(grpo, start, args.reward_model, cfg["seed"], run.device, run.mesh) if ppo else None
+    baseline = CriticBaseline(critic, grpo, run.mesh, run.device) if ppo else GroupBaseline(grpo, run.mesh, run.device)
+    train_step = GRPOStep(grpo, model, head, optimization, baseline, reference, ref_head, run.tokenizer.pad_id,
+                          run.mesh, run.device)
     run.resume(model, optimization, collection, extra={"critic": (critic.model, critic.optimizer)} if critic else None)
     history: list[dict[str, Any]] = []
     with collection:
@@ -253,8 +135,7 @@ def main() -> None:
         for step in run.steps():
             rollouts = collection.next()  # sampled by policy version rollouts.version <= collection.version
             t_train = time.perf_counter()
-            record = train_on(rollouts, step, model, head, reference, ref_head, optimization, grpo,
-                              run.tokenizer.pad_id, run.mesh, run.device, critic)
+            record = train_step(rollouts, step)
             collection.push_weights()  # the new weights to the generators, as the next policy version
             seconds = run.seconds()
             record.update(
@@ -271,7 +152,7 @@ def main() -> None:
     run.log(run.total_steps, {"eval_accuracy": after, "policy_version": collection.version})
     summary = {
         "eval_accuracy_before": before["eval_accuracy"], "eval_accuracy_after": after,
-        "eval_prompts": int(grpo["eval_prompts"]), "steps": run.total_steps, "mode": grpo["mode"],
+        "eval_prompts": grpo["eval_prompts"], "steps": run.total_steps, "mode": grpo["mode"],
         "backend": grpo["backend"], "policy_version": collection.version,
     }
     summary.update(collected)

@@ -8,14 +8,14 @@ outputs (`stages: {stage: {key, path}}`), its evaluations (`eval: {stage: {key, 
 stage each model started from (`previous: {stage: stage or null}`) and `overrides`. Output (written
 to a temporary sibling and renamed when complete):
 
-    summary.tsv           one row per variant and evaluated stage (columns: posttrain.evaluation.summary)
+    summary.tsv           one row per variant and evaluated stage (columns: posttrain.report.summary)
     effects.tsv           per seed group, stage and metric: mean, spread, change from the previous
-                          stage (columns: posttrain.evaluation.effects)
-    objective_curves.png  each stage's objective keys against step (posttrain.evaluation.curves)
+                          stage (columns: posttrain.report.effects)
+    objective_curves.png  each stage's objective keys against step (posttrain.report.curves)
     eval_metrics.png      accuracy, pass@k, reward, NLL, preference accuracy by stage and variant
     stage_effects.png     effects.tsv drawn: value and change per stage, error bars over seeds
-    stage_times.tsv       wall time of every stage output and evaluation (posttrain.evaluation.stage_times)
-    machine.json          CPU, ISA flags, threads, commit, date (posttrain.evaluation.machine)
+    stage_times.tsv       wall time of every stage output and evaluation (posttrain.report.stage_times)
+    machine.json          CPU, ISA flags, threads, commit, date (posttrain.report.machine)
     posttrain.json        provenance
 
 Captions for Snakemake's HTML report: workflow/report/*.rst.
@@ -27,13 +27,13 @@ import json
 import time
 
 from posttrain.training.faults import run_main
-from posttrain.evaluation.curves import objective_curves
-from posttrain.evaluation.effects import effect_metrics, effects_table
-from posttrain.evaluation.machine import machine_info
-from posttrain.evaluation.plots import plot_eval_metrics, plot_objective_curves, plot_stage_effects
-from posttrain.evaluation.report_inputs import read_report_config, stage_runs
-from posttrain.evaluation.stage_times import stage_time_table
-from posttrain.evaluation.summary import summary_rows, summary_table
+from posttrain.report.curves import objective_curves
+from posttrain.report.effects import effect_metrics, effects_table
+from posttrain.report.machine import machine_info
+from posttrain.report.plots import plot_eval_metrics, plot_objective_curves, plot_stage_effects
+from posttrain.report.inputs import read_report_config, stage_runs
+from posttrain.report.stage_times import stage_time_table
+from posttrain.report.summary import summary_rows, summary_table
 from posttrain.stage_config import parse_inputs
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance

@@ -59,13 +59,13 @@ from tqdm.auto import tqdm
 from posttrain.data.store import load_split
 from posttrain.generation import GenerationBackend, SamplingParams
 from posttrain.generation.backend import build_backend
-from posttrain.rewards import Rewards, VerifierError, load_reward_model, score_sequences
-from posttrain.rewards.reward_model import PretrainedRewardModel, normalize_scores
+from posttrain.rewards import Rewards, VerifierError
+from posttrain.rewards.sample_rewards import add_reward_model_scores, verifier_rewards
 from posttrain.rewards.specs import pretrained_source
-from posttrain.training.faults import kill_if_requested
-from posttrain.training.faults import run_main
+from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass_rates
+from posttrain.training.faults import kill_if_requested, run_main
 from posttrain.training.harness import StageRun
-from posttrain.training.resume import ResultLog
+from posttrain.training.result_log import ResultLog
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
@@ -91,9 +91,6 @@ def policy_key(model_dir: str) -> str | None:
         return None
 
 
-# --- 2. sampling ------------------------------------------------------------------------------
-
-
 def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: SamplingParams
            ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """`k` completions per prompt, prompt after prompt (sample j of prompt i at index i * k + j).
@@ -101,8 +98,8 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
     Call c of the backend is seeded `seed + c`; finished calls are kept in the resume state, so
     a rerun after SIGTERM (or a kill) continues with the next one.
     """
-    reward, seed = run.cfg["reward"], int(run.cfg["seed"])
-    k = int(reward["samples_per_prompt"])
+    reward, seed = run.cfg["reward"], run.cfg["seed"]
+    k = reward["samples_per_prompt"]
     per_call = VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH
     prompts_per_call = max(1, per_call // k)
     starts = range(0, len(prompt_ids), prompts_per_call)
@@ -113,7 +110,7 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
             chunk = prompt_ids[start : start + prompts_per_call]
             if call not in log.done:
                 if backend is None:  # only when a call is left (vLLM takes a while to start)
-                    max_len = int(run.cfg["data"]["max_seq_len"]) + int(reward["max_new_tokens"])
+                    max_len = run.cfg["data"]["max_seq_len"] + reward["max_new_tokens"]
                     backend = build_backend(reward["backend"], model_dir, pad_id=run.tokenizer.pad_id,
                                             decode=run.tokenizer.decode, device=run.device, seed=seed,
                                             max_model_len=max_len, max_batch_size=GENERATION_BATCH,
@@ -126,86 +123,6 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
             bar.update(len(chunk))
     done = [log.done[call] for call in range(len(starts))]
     return [t for d in done for t in d[0]], [lp for d in done for lp in d[1]], [r for d in done for r in d[2]]
-
-
-# --- 3. scoring -------------------------------------------------------------------------------
-
-
-def verifier_rewards(completions: list[str], examples: list[dict[str, Any]], k: int,
-                     rewards: Rewards) -> list[dict[str, float]]:
-    """One {verifier: reward} per sample (sample i of prompt i // k); a failure names the prompt's index."""
-    try:
-        return rewards.score(completions, [examples[i // k] for i in range(len(completions))])
-    except VerifierError as e:
-        if e.index is None:  # a batched function failed on the whole batch
-            raise
-        i = e.index // k
-        # The cause, as `score` worded it after naming the (sample) index.
-        prefix = str(VerifierError(e.verifier, e.index, examples[i], "\0")).partition("\0")[0]
-        cause = str(e).removeprefix(prefix)
-        raise VerifierError(e.verifier, i, examples[i], f"sample {e.index % k}: {cause}") from e.__cause__
-
-
-# --- 3./4. prompt filter and pairs ------------------------------------------------------------
-
-
-def grpo_prompts(rates: pd.DataFrame, band: tuple[float, float]) -> tuple[pd.Series, str | None]:
-    """(mask of prompts with low < pass rate < high, None); every prompt and the reason when none is inside."""
-    low, high = band
-    keep = (rates["pass_rate"] > low) & (rates["pass_rate"] < high)
-    if keep.any():
-        return keep, None
-    never, always = int((rates["pass_rate"] == 0).sum()), int((rates["pass_rate"] == 1).sum())
-    reason = (
-        f"no prompt has a pass rate strictly inside reward.pass_rate_band {[low, high]} ({len(rates)} prompts: "
-        f"{never} never solved, {always} always solved), so all {len(rates)} are kept for GRPO, which gets no "
-        "group-relative signal from them; widen the band, raise reward.samples_per_prompt or "
-        "reward.temperature, or train the policy further"
-    )
-    return pd.Series(True, index=rates.index), reason
-
-
-def best_vs_worst(rollouts: pd.DataFrame, prompts: dict[int, Any]) -> pd.DataFrame:
-    """Per prompt whose rewards differ: its best sample (chosen) and worst (rejected), earliest on ties."""
-    rows = []
-    for index, group in rollouts.groupby("prompt_index", sort=True):
-        rewards = group["reward"].to_numpy()
-        if rewards.max() == rewards.min():
-            continue
-        best, worst = group.iloc[int(rewards.argmax())], group.iloc[int(rewards.argmin())]
-        rows.append({
-            "prompt_index": int(index),
-            "prompt_id": best["prompt_id"],
-            "prompt": prompts[int(index)],
-            "chosen": best["completion"],
-            "rejected": worst["completion"],
-            "chosen_reward": float(best["reward"]),
-            "rejected_reward": float(worst["reward"]),
-        })
-    columns = ["prompt_index", "prompt_id", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"]
-    return pd.DataFrame(rows, columns=columns)
-
-
-def as_messages(prompt: Any) -> list[dict[str, str]]:
-    """A prompts-split prompt (one user string or a message list) as a message list."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-
-
-def reward_model_scores(run: StageRun, components: list[dict[str, float]], prompt_ids: list[list[int]],
-                        tokens: list[list[int]], completions: list[str], examples: list[dict[str, Any]], k: int) -> None:
-    """Add the reward model's raw score (`rm`) and its normalized one (`rm_norm`) to each sample's components:
-    the reward_model stage's (`--reward_model`, on the policy's ids) or a pretrained `reward_model.source`."""
-    pretrained = pretrained_source(run.cfg["reward_model"]["source"])
-    if run.args.reward_model:
-        rm = load_reward_model(run.args.reward_model, device=run.device).eval()
-        raw = score_sequences(rm, [prompt_ids[i // k] + t for i, t in enumerate(tokens)], run.tokenizer.pad_id)
-    elif pretrained is not None:
-        raw = PretrainedRewardModel(pretrained, device=run.device).score(
-            [examples[i // k]["prompt"] for i in range(len(tokens))], completions)
-    else:
-        return
-    for c, value, norm in zip(components, raw, normalize_scores(raw, k, run.cfg["reward_model"]["normalize"])):
-        c["rm"], c["rm_norm"] = value, norm
 
 
 def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
@@ -231,29 +148,14 @@ def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], token
     })
 
 
-def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd.DataFrame:
-    """`pass_rates.parquet`: one row per prompt."""
-    grouped = rollouts.groupby("prompt_index", sort=True)
-    return pd.DataFrame({
-        "prompt_index": range(len(rows)),
-        "prompt_id": [r["id"] for r in rows],
-        "task": [r["task"] for r in rows],
-        "samples": k,
-        "correct": grouped["correct"].sum().astype(int).to_numpy(),
-        "pass_rate": grouped["correct"].mean().to_numpy(),
-        "reward_mean": grouped["reward"].mean().to_numpy(),
-        "reward_std": grouped["reward"].std(ddof=0).to_numpy(),
-    })
-
-
 def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward_model"), one_process=True, training=False)
     start = run.start_model()
     cfg, reward, args, tok = run.cfg, run.cfg["reward"], run.args, run.tokenizer
     band = tuple(reward["pass_rate_band"])  # the schema and the dry run: [low, high], low < high
-    k = int(reward["samples_per_prompt"])
+    k = reward["samples_per_prompt"]
     split = load_split(args.data, "prompts")
-    n = int(reward["n_prompts"])
+    n = reward["n_prompts"]
     if n > len(split):
         raise ValueError(f"reward.n_prompts is {n} but {args.data}/prompts has {len(split)} rows (data.n_prompts)")
     rows = split.select(range(n)).to_list()
@@ -264,7 +166,7 @@ def main() -> None:
     rewards = Rewards(reward["verifiers"])
 
     # 1./2. samples and their rewards
-    params = SamplingParams(max_new_tokens=int(reward["max_new_tokens"]), temperature=float(reward["temperature"]),
+    params = SamplingParams(max_new_tokens=reward["max_new_tokens"], temperature=reward["temperature"],
                             stop_token_ids=tok.eos_ids)
     prompt_ids = [list(r["prompt_ids"]) for r in rows]
     t0 = time.perf_counter()
@@ -274,7 +176,9 @@ def main() -> None:
     components = verifier_rewards(completions, examples, k, rewards)
     totals = [rewards.total(c) for c in components]
     correct = [rewards.correct(c) for c in components]
-    reward_model_scores(run, components, prompt_ids, tokens, completions, examples, k)
+    add_reward_model_scores(components, prompt_ids, tokens, completions, examples, k, args.reward_model,
+                            pretrained_source(cfg["reward_model"]["source"]), cfg["reward_model"]["normalize"],
+                            tok.pad_id, run.device)
     if "rm_norm" in components[0]:  # weight 1: the reward model's normalized score
         totals = [t + c["rm_norm"] for t, c in zip(totals, components)]
     rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components, totals, correct,

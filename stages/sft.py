@@ -6,8 +6,8 @@
 Reads the config keys in `READS` (and its run settings: loggers, `sft.log_every`, `sft.checkpoint_every`).
 `sft.batch_size` rows (all processes together) make one optimizer step, split into
 `sft.grad_accum` micro-batches: grad_accum trades memory for time and leaves the result alone.
-Every token of the step weighs the same: the summed cross-entropy is divided by the loss-token
-count of the whole step (all micro-batches, all ranks).
+Every token of the step weighs the same (`posttrain.sft.step`): the summed cross-entropy is divided
+by the loss-token count of the whole step (all micro-batches, all ranks).
 
 Held-out loss on `sft_eval` is measured before and after training. Resume state lives in
 `<out>.resume/` (checkpoint every `sft.checkpoint_every` steps and on SIGTERM); rerunning the
@@ -20,13 +20,12 @@ from __future__ import annotations
 import torch
 
 from posttrain.data.loader import Batch, length_multiple, sft_batches, to_device
-from posttrain.losses.ce import num_loss_tokens
 from posttrain.losses.head import OutputHead, summed_lm_loss
+from posttrain.sft.step import sft_step
 from posttrain.training.faults import run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
-from posttrain.training.stats import data_parallel_sum, local_value, non_pad_tokens
 
 STAGE = "sft"
 READS = ("seed", "model.policy", "model.dtype", "memory", "parallel", "sft")  # what its key covers
@@ -46,7 +45,7 @@ def main() -> None:
     head = OutputHead(model, run.mesh, run.memory)
 
     micro = run.micro_batch_size()
-    multiple = length_multiple(bool(run.memory["compile"]), cfg["parallel"]["tp"])
+    multiple = length_multiple(run.memory["compile"] is not None, cfg["parallel"]["tp"])
     train = sft_batches(data_dir, micro, seed=cfg["seed"], rank=run.dp_rank, world_size=run.dp_size, multiple=multiple)
 
     def evaluate() -> dict[str, float]:
@@ -63,31 +62,18 @@ def main() -> None:
     run.resume(model, optimization, train)
     before = run.measure_before(evaluate)
 
-    last_loss = float("nan")
+    train_step = sft_step(model, head, optimization, run.mesh, run.device, run.tokenizer.pad_id)
+    record: dict[str, float] = {}
     for step in run.steps():
-        batches = [to_device(next(train), run.device) for _ in range(int(sft["grad_accum"]))]
-        loss_tokens, useful_tokens = data_parallel_sum(
-            [sum(num_loss_tokens(b["labels"]) for b in batches),
-             sum(non_pad_tokens(b["input_ids"], run.tokenizer.pad_id) for b in batches)],
-            run.mesh, run.device,
-        )
-        # Every token of the step weighs the same: the summed loss over the step's loss tokens.
-        step_loss = 0.0
-        for batch in batches:
-            with head.context():
-                loss = summed_lm_loss(model, head, batch)
-                optimization.backward(loss, per=loss_tokens)
-            step_loss += float(local_value(loss.detach()))
-        (step_loss,) = data_parallel_sum([step_loss], run.mesh, run.device)
-        last_loss = step_loss / max(loss_tokens, 1)
-        record = {"loss": last_loss, **optimization.step(step, last_loss), "loss_tokens": int(loss_tokens)}
-        record["tokens_per_s"] = useful_tokens / run.seconds()
-        run.log_step(record, postfix={"loss": ".4f", "tokens_per_s": ".0f"})
+        record = train_step([to_device(next(train), run.device) for _ in range(sft["grad_accum"])])
+        useful = record.pop("useful_tokens")
+        record.update(optimization.step(step, record["loss"]))
+        run.log_step(record, postfix={"loss": ".4f", "tokens_per_s": ".0f"}, tokens=useful)
 
     after = evaluate()
     run.log(run.total_steps, after)
     summary = {"eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
-               "train_loss_last": last_loss, "steps": run.total_steps}
+               "train_loss_last": record["loss"], "steps": run.total_steps}
     run.finish(model, hf_config, summary, base_model=start)
 
 

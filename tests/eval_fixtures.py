@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.provenance import write_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_KEY = "d0d0d0d0d0d0"
-DPO_CFG = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5}
+DPO_CFG = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "chosen_nll_weight": 0.0}
 
 
 def run_stage(stage: str, argv: list, monkeypatch) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import Tokenizer
 from sft_testing import ROOT, SMALL_DATA, env_for, prepare_data, resolved_config, run_sft, write_config

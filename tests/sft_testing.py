@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import read_safetensors, weight_files
+from posttrain.model_files import read_safetensors, weight_files
 from posttrain.workflow.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

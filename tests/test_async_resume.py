@@ -21,7 +21,7 @@ import torch
 
 from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo
 from sft_testing import ROOT, weights
-from posttrain.training.resume import resume_dir
+from posttrain.training.checkpointer import resume_dir
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="ray is not installed (pip install posttrain[ray])")

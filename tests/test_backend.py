@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.generation import GenerationBackend, NativeBackend, SamplingParams, VLLMBackend, generate
 from posttrain.models import Transformer
 

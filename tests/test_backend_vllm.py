@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.generation import NativeBackend, SamplingParams, VLLMBackend
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import train_bpe_tokenizer

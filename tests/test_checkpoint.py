@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from posttrain.checkpoint import CheckpointError, load_hf_model, resolve_model_source, save_hf_model
+from posttrain.model_files import CheckpointError, load_hf_model, resolve_model_source, save_hf_model
 from posttrain.models import Transformer
 
 CFG = dict(model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

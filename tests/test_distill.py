@@ -14,15 +14,15 @@ import torch.nn.functional as F
 
 from distill_testing import distill_config, random_model_folder, run_distill
 from eval_fixtures import run_stage
-from posttrain.checkpoint import load_hf_model
+from posttrain.model_files import load_hf_model
 from posttrain.distill import VocabularyMismatchError, check_same_vocabulary, distill_loss, student_config
-from posttrain.evaluation.greedy import first_eval_rows, greedy_accuracy
+from posttrain.evaluation.greedy import first_eval_rows, model_greedy_accuracy
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV
-from posttrain.training.resume import resume_dir
+from posttrain.training.checkpointer import resume_dir
 from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 from test_losses_kd import naive_divergence, rel_err
 
@@ -279,7 +279,7 @@ def kd_against_labels(tmp: Path, data: Path, teacher: Path, seed: int, threads: 
     summary = json.loads((tmp / "kd" / "posttrain.json").read_text())["metrics"]
     tok = Tokenizer(data / "tokenizer")
     prompts, examples = first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
-    labels_only = greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
+    labels_only = model_greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
                                         kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
     return {"teacher": summary["teacher_accuracy"], "kd": summary["student_accuracy"], "labels_only": labels_only,
             "size_ratio": summary["teacher_params"] / summary["student_params"]}

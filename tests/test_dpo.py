@@ -20,7 +20,7 @@ from posttrain.dpo import (
     save_cache,
     score_pairs,
 )
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.dpo import dpo_loss
 from posttrain.losses.head import OutputHead

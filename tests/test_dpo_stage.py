@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrain.checkpoint import load_hf_model
+from posttrain.model_files import load_hf_model
 from posttrain.data.loader import prompt_batches
 from posttrain.data.tasks import make_splits
 from posttrain.generation import SamplingParams, generate

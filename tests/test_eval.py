@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, write_config
 
 import posttrain.evaluation.completions
-from posttrain.checkpoint import load_hf_model
+from posttrain.model_files import load_hf_model
 from posttrain.data.loader import length_multiple, sft_batches
 from posttrain.data.store import load_split
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, mean_pass_at_k, pass_at_k, task_metrics

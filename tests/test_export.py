@@ -9,7 +9,7 @@ from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, w
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from posttrain.checkpoint import load_hf_model
+from posttrain.model_files import load_hf_model
 from posttrain.data.store import load_split
 from posttrain.export.hub import push_folder, push_plan
 from posttrain.generation import SamplingParams, generate

@@ -14,8 +14,8 @@ import torch
 
 from eval_fixtures import run_stage, write_config
 from grpo_testing import run_grpo
-from posttrain.checkpoint import load_hf_model
-from posttrain.checkpoint.gguf import SOURCE_FILE, convert, packaged_gguf
+from posttrain.model_files import load_hf_model
+from posttrain.model_files.gguf import SOURCE_FILE, convert, packaged_gguf
 from posttrain.data.store import load_split
 from posttrain.tokenizer import Tokenizer
 from sft_testing import ROOT, prepare_data, resolved_config, run_sft, weights

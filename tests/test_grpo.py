@@ -13,7 +13,7 @@ from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo, star
 from sft_testing import ROOT, weights
 from posttrain.rewards import load_reward_model, save_reward_model
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.resume import resume_dir
+from posttrain.training.checkpointer import resume_dir
 
 # The test budget: the default grpo section (steps, prompts, group size, ...) with a smaller eval, at the
 # lr for a partly solved starting policy (the default, 1e-4, is set for the pipeline's near-solved one).

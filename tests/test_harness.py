@@ -15,14 +15,15 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.head import OutputHead, summed_lm_loss
 from posttrain.models import Transformer, document_positions, preset_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV, NonFiniteLossError
 from posttrain.training.optimization import Optimization
-from posttrain.training.resume import ResultLog, resume_dir
+from posttrain.training.checkpointer import resume_dir
+from posttrain.training.result_log import ResultLog
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import build_plan

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.checkpoint import load_hf_model, save_hf_model
+from posttrain.model_files import load_hf_model, save_hf_model
 from posttrain.models import Transformer, document_mask, document_positions
 
 transformers = pytest.importorskip("transformers")

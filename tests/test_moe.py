@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.checkpoint import load_hf_model, save_hf_model
+from posttrain.model_files import load_hf_model, save_hf_model
 from posttrain.models.moe import SparseMoE
 from posttrain.training.optimization import Optimization
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from eval_fixtures import make_data, make_model
 
-from posttrain.checkpoint import load_hf_model
-from posttrain.checkpoint.hf import CheckpointError
-from posttrain.checkpoint.prune import SOURCE_FILE, kept_layers, main, prune
+from posttrain.model_files import load_hf_model
+from posttrain.model_files.hf import CheckpointError
+from posttrain.model_files.prune import SOURCE_FILE, kept_layers, main, prune
 from posttrain.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

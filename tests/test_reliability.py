@@ -34,7 +34,7 @@ import torch
 from distill_testing import random_model_folder
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV, exit_on_known_errors, explain_out_of_memory
-from posttrain.training.resume import Checkpointer, resume_dir
+from posttrain.training.checkpointer import Checkpointer, resume_dir
 from posttrain.utils.provenance import git_commit
 from posttrain.workflow.schema import validate_config
 from sft_testing import ROOT, SMALL_DATA, env_for, metrics, prepare_data, resolved_config, weights, write_config
@@ -220,6 +220,7 @@ def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data
 def test_a_run_killed_before_its_first_checkpoint_starts_over_with_fresh_metrics(tmp_path):
     out = tmp_path / "out"
     checkpointer = Checkpointer(out, every=2, key="k")
+    checkpointer.metrics_path.parent.mkdir(parents=True)  # a metrics file from the killed run, no checkpoint
     checkpointer.metrics_path.write_text('{"step": 0, "eval_loss": 1.0}\n{"step": 1, "loss": 2.0}\n')
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -387,13 +388,13 @@ def test_ray_is_imported_only_after_the_loopback_environment_is_set():
                 where = f"{path.relative_to(ROOT)}:{node.lineno}"
                 assert id(node) not in module_level, f"{where}: module-level import of ray"
                 importers.append(path)
-    from posttrain.rl.ray_collect import LOCAL_RAY_ENV
+    from posttrain.rl.ray_collector import LOCAL_RAY_ENV
 
     assert LOCAL_RAY_ENV["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
-    source = (ROOT / "posttrain" / "rl" / "ray_collect.py").read_text()
+    source = (ROOT / "posttrain" / "rl" / "ray_collector.py").read_text()
     for path in importers:
         text = path.read_text()
-        assert path.name == "ray_collect.py" or "import_ray" in text, path
+        assert path.name == "ray_collector.py" or "import_ray" in text, path
     body = source.split("def import_ray", 1)[1]
     assert body.index("LOCAL_RAY_ENV") < body.index("import ray")
 

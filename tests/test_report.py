@@ -15,12 +15,12 @@ import torch
 from eval_fixtures import REPO, run_stage
 from report_testing import BETA_GROUP, TABLE, accuracy, write_outputs
 
-from posttrain.evaluation import readme_table
-from posttrain.evaluation.curves import objective_curves
-from posttrain.evaluation.effects import COLUMNS, effects_table
-from posttrain.evaluation.machine import ISA_FLAGS, cpu_model_and_flags
-from posttrain.evaluation.report_inputs import stage_runs
-from posttrain.evaluation.summary import HEAD_COLUMNS, TAIL_COLUMNS, group_name, read_summary
+from posttrain.report import readme_table
+from posttrain.report.curves import objective_curves
+from posttrain.report.effects import COLUMNS, effects_table
+from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
+from posttrain.report.inputs import stage_runs
+from posttrain.report.summary import HEAD_COLUMNS, TAIL_COLUMNS, group_name, read_summary
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import MODEL_STAGES, build_plan
@@ -203,7 +203,7 @@ def test_readme_table_from_the_report(out, capsys):
     note = lines[-1]
     assert note.startswith("*mean ± std (sample std) over the seeds of each variant group, seeds 1, 2;")
     assert "torch thread" in note and "commit" in note
-    assert note.endswith(f"made by `python -m posttrain.evaluation.readme_table {out}`.*")
+    assert note.endswith(f"made by `python -m posttrain.report.readme_table {out}`.*")
 
 
 def test_readme_table_has_one_row_for_a_stage_the_groups_share():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from posttrain.training.faults import KILL_AT_STEP_ENV, NonFiniteLossError, NonFiniteLossGuard
-from posttrain.training.resume import Checkpointer, ResumeError, resume_dir
+from posttrain.training.checkpointer import Checkpointer, ResumeError, resume_dir
 from sft_testing import (
     ROOT,
     SMALL_DATA,

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from posttrain.checkpoint import CheckpointError, save_hf_model
+from posttrain.model_files import CheckpointError, save_hf_model
 from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer

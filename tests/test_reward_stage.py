@@ -16,7 +16,7 @@ import torch
 from eval_fixtures import run_stage as run_script
 
 import posttrain.generation.backend
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.data.sources import canonical_rows, load_source
 from posttrain.data.store import load_split
 from posttrain.generation import GenerationOutput, SamplingParams

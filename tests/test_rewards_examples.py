@@ -15,7 +15,7 @@ import torch
 
 import posttrain.generation.backend
 from eval_fixtures import run_stage, write_config
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.data.store import load_split
 from posttrain.generation import GenerationOutput
 from posttrain.models import Transformer, is_preset, preset_config

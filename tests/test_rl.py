@@ -17,10 +17,11 @@ from posttrain.losses.logprobs import token_logprobs
 from posttrain.models import Transformer, preset_config
 from posttrain.rl.batch import advantages, micro_batches
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts
-from posttrain.rl.collect import PromptFeed, SyncCollector, rollout_seed
-from posttrain.rl.ray_collect import LOCAL_RAY_ENV, RayCollector, import_ray, split_groups
+from posttrain.rl.sync_collector import PromptFeed, SyncCollector, rollout_seed
+from posttrain.rl.ray_collector import LOCAL_RAY_ENV, RayCollector, import_ray, split_groups
 from posttrain.rl.rollout import PromptBatch, RewardFunction, RolloutGroup, RolloutWorker, rollout_stats
 from posttrain.tokenizer import train_bpe_tokenizer
+from posttrain.workflow.schema import ConfigError, load_config
 
 # --- staleness buffer -----------------------------------------------------------------------
 
@@ -183,8 +184,9 @@ def test_worker_collect_is_seeded_and_versions_arrive_in_order(model, tok):
         worker.update_weights(state, 1)
     worker.start_at(state, 5)  # a resumed run jumps once, before any update
     assert worker.version == 5
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        RolloutWorker(worker.backend, tok, worker.params, 1, worker.reward_fn)
+    # A group of one has no relative advantage: the schema's minimum refuses it, in the dry run.
+    with pytest.raises(ConfigError, match=r"grpo\.group_size"):
+        load_config(overrides={"grpo": {"group_size": 1}})
 
 
 def test_sync_collector_generates_with_the_trainers_version(model, tok):
@@ -264,7 +266,7 @@ class InlineRay:
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 def test_ray_collector_trains_each_step_on_the_version_max_staleness_behind(model, tok, max_staleness):
-    from posttrain.rl.ray_collect import GeneratorActor
+    from posttrain.rl.ray_collector import GeneratorActor
 
     def make(spec, threads):
         actor = GeneratorActor.__new__(GeneratorActor)
@@ -292,7 +294,7 @@ def _inline_collector(model, tok, max_staleness, feed_state=None):
     """A RayCollector over two inline actors, each with its own copy of `model` (version 0)."""
     import copy
 
-    from posttrain.rl.ray_collect import GeneratorActor
+    from posttrain.rl.ray_collector import GeneratorActor
 
     def make(spec, threads):
         actor = GeneratorActor.__new__(GeneratorActor)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.checkpoint import load_hf_model, read_safetensors
+from posttrain.model_files import load_hf_model, read_safetensors
 from posttrain.data.loader import prompt_batches
 from posttrain.generation import SamplingParams, generate
 from posttrain.models.lora import dequantize
 from posttrain.rewards.verifiers import task_verifier
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.resume import resume_dir
+from posttrain.training.checkpointer import resume_dir
 from posttrain.training.setup import initial_state
 from posttrain.utils.metrics import LoggerUnavailableError, MetricsLogger, truncate_after
 from sft_testing import SMALL_DATA, SMALL_SFT, metrics, prepare_data, resolved_config, run_sft, train_losses, weights

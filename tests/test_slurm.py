@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.training.resume import resume_dir
+from posttrain.training.checkpointer import resume_dir
 from posttrain.workflow.launch import LaunchSpec, command_prefix
 from grpo_testing import GRPO_SCRIPT, RANDOM_DATA, grpo_config, random_policy, summary
 from sft_testing import SFT_SCRIPT, SMALL_SFT, env_for, prepare_data, resolved_config, run_sft, write_config

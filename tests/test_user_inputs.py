@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import train_bpe_tokenizer
 from snakemake_testing import job_counts

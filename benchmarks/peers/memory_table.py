@@ -53,7 +53,7 @@ def build_folder(layers: int, out: Path) -> Path:
     import torch
     from sft_memory import QWEN3_VOCAB, model_config
 
-    from posttrain.checkpoint import save_hf_model
+    from posttrain.model_files import save_hf_model
     from posttrain.models import Transformer
 
     hf_config = {**model_config(layers), "pad_token_id": PAD_ID, "eos_token_id": EOS_ID}

@@ -1,7 +1,7 @@
 """What both sides of the posttrain-vs-TRL benchmark share: the starting model, the data, the settings.
 
 Everything is built locally and seeded. The model is a random-init Qwen3-architecture network
-saved once as an HF folder (`posttrain.checkpoint.save_hf_model`); posttrain and `transformers`
+saved once as an HF folder (`posttrain.model_files.save_hf_model`); posttrain and `transformers`
 both load that folder, so both start from identical weights. The tokenizer is word-level: token
 `t<i>` is id i, so the text that TRL's DPO and GRPO paths tokenize maps to exactly the ids
 posttrain trains on (ids 0, 1, 2 are pad, eos, unk). The data are synthetic token sequences whose
@@ -104,7 +104,7 @@ def build_model_folder(hf_config: Mapping[str, Any], out: Path, seed: int = 0) -
     """Random-init the model once (seeded), save it as an HF folder with the word-level tokenizer."""
     import torch
 
-    from posttrain.checkpoint import save_hf_model
+    from posttrain.model_files import save_hf_model
     from posttrain.models import Transformer
 
     torch.manual_seed(seed)

@@ -648,6 +648,11 @@ def mix(rows: list[dict[str, Any]], weight: float, max_rows: int | None, key: st
     return rows * copies + [rows[i] for i in picked]
 
 
+SOURCE_KEYS = frozenset({"kind", "path", "split", "subset", "revision", "data_files", "columns", "roles", "render",
+                         "weight", "max_rows"})
+"""What `source_rows` reads of a `data.sources` entry: the schema's `source` allows exactly these (a test checks)."""
+
+
 def source_rows(source: Mapping[str, Any], where: str, key: str, skip_bad: bool) -> tuple[list[dict[str, Any]], int]:
     """A config source's canonical rows, each with its `origin` ("<path>: row <i>"), mixed by its
     `weight` and `max_rows` (samples drawn by `key`); and the number of bad rows skipped."""

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from posttrain.checkpoint import load_state_into
+from posttrain.model_files import load_state_into
 from posttrain.data.chat import shifted_labels
 from posttrain.data.loader import Batches
 from posttrain.data.packing import build_rows

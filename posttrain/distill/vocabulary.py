@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from posttrain.checkpoint import resolve_model_source
+from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import model_config

@@ -1,4 +1,4 @@
-"""DPO pieces the stage composes: pair log-probs (chunked, data-parallel scoring passes) and the reference."""
+"""DPO pieces the stage composes: pair log-probs (chunked, data-parallel scoring passes), the reference, the step."""
 
 from posttrain.dpo.reference import (
     OnlineReference,
@@ -8,9 +8,10 @@ from posttrain.dpo.reference import (
     load_cache,
     model_files,
     reference_cache_path,
+    reference_scores,
     save_cache,
 )
-from posttrain.dpo.scoring import PairLogps, completion_logprobs, pair_logprobs, reshard, score_pairs
+from posttrain.dpo.logprobs import PairLogps, completion_logprobs, pair_logprobs, reshard, score_pairs
 
 __all__ = [
     "OnlineReference",
@@ -23,6 +24,7 @@ __all__ = [
     "model_files",
     "pair_logprobs",
     "reference_cache_path",
+    "reference_scores",
     "reshard",
     "save_cache",
     "score_pairs",

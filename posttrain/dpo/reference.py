@@ -20,19 +20,25 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from posttrain.checkpoint import resolve_model_source
-from posttrain.dpo.scoring import pair_logprobs, reshard
+from posttrain.model_files import resolve_model_source
+from posttrain.data.loader import Batches
+from posttrain.data.store import Split
+from posttrain.dpo.logprobs import pair_logprobs, reshard, score_pairs
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, is_preset
 from posttrain.models.lora import disable_adapters
-from posttrain.training.resume import resume_dir
+from posttrain.parallel import barrier
+from posttrain.training.checkpointer import resume_dir
+
+if TYPE_CHECKING:
+    from posttrain.training.harness import StageRun
 
 CACHE_NAME = "reference_logps.safetensors"
 _FINGERPRINT_KEY = "fingerprint"
@@ -116,3 +122,34 @@ class OnlineReference:
         if self.release:
             reshard(self.model)
         return out.chosen, out.rejected
+
+
+def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train: Batches, held_out: Split,
+                     pair_files: list[Path], precompute: bool) -> dict[str, Tensor]:
+    """The starting model's log-probs of the held-out pairs (and, with `precompute`, of every training pair).
+
+    Runs before any checkpoint is loaded, so the weights are the starting model's; cached in the
+    resume state, so a resumed run does not score again.
+    """
+    dpo = run.section
+    cache_path = reference_cache_path(run.out)
+    expected = fingerprint(key=run.cfg["key"], model=model_files(run.start_model()), pairs=file_stats(pair_files),
+                           rows=len(train.dataset), held_out=len(held_out), loss=dpo["loss"], reference=dpo["reference"],
+                           mixed_precision=run.memory["mixed_precision"])
+    cached = load_cache(cache_path, expected)
+    if cached is not None:
+        return cached
+    rows_per_rank = run.micro_batch_size() // run.dp_size
+    splits = {"eval": (held_out, "reference: held-out pairs")} if len(held_out) else {}
+    if precompute:
+        splits["train"] = (train.dataset, "reference: training pairs")
+    cached = {}
+    with disable_adapters(model):
+        for name, (dataset, desc) in splits.items():
+            ref = score_pairs(model, head, dataset, train.collate, rows_per_rank, run.device, desc, run.is_main)
+            cached.update({f"{name}_chosen": ref.chosen, f"{name}_rejected": ref.rejected,
+                           f"{name}_chosen_tokens": ref.chosen_tokens, f"{name}_rejected_tokens": ref.rejected_tokens})
+    if run.is_main and cached:
+        save_cache(cache_path, cached, expected)
+    barrier()
+    return cached

@@ -2,7 +2,7 @@
 
 from posttrain.evaluation.likelihood import eval_pairs, heldout_nll, implicit_preference_accuracy
 from posttrain.evaluation.passk import mean_pass_at_k, pass_at_k
-from posttrain.evaluation.scoring import PromptResult, is_correct, task_metrics
+from posttrain.evaluation.task_metrics import PromptResult, is_correct, task_metrics
 
 __all__ = [
     "PromptResult",

@@ -11,12 +11,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from posttrain.data.tokenize import preference_split
-from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.losses.dpo import REFERENCE_FREE, pair_reward_type, preference_loss
+from posttrain.data.loader import preference_collate
+from posttrain.data.store import Split
+from posttrain.dpo.logprobs import PairLogps, score_pairs
+from posttrain.dpo.step import pair_loss
+from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer
 from posttrain.tokenizer import Tokenizer
@@ -72,24 +74,6 @@ def eval_pairs(examples: Sequence[Mapping[str, Any]], tok: Tokenizer, max_len: i
     return columns
 
 
-@torch.no_grad()
-def completion_logprobs(model: Transformer, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
-                        pad_id: int, batch_size: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-prob of each sequence's labelled tokens and their count, ``[N]`` each (float64/int64)."""
-    device = _device(model)
-    head = OutputHead(model, None, {"chunked_ce": True, "ce_chunks": 8})  # the memory defaults (one process)
-    sums, counts = [], []
-    for start in tqdm(range(0, len(input_ids), batch_size), desc=desc, unit="batch", mininterval=1.0):
-        ids = pad_sequence([torch.tensor(x) for x in input_ids[start : start + batch_size]],
-                           batch_first=True, padding_value=pad_id).to(device)
-        lab = pad_sequence([torch.tensor(x) for x in labels[start : start + batch_size]],
-                           batch_first=True, padding_value=IGNORE_INDEX).to(device)
-        total, count = head.sequence_logprobs(model(ids), lab)
-        sums.append(total.double().cpu())
-        counts.append(count.cpu())
-    return torch.cat(sums), torch.cat(counts)
-
-
 def implicit_preference_accuracy(
     policy: Transformer, reference: Transformer | None, pairs: Mapping[str, list], dpo_cfg: Mapping[str, Any],
     pad_id: int, batch_size: int = 16,
@@ -98,23 +82,24 @@ def implicit_preference_accuracy(
 
     sigmoid/IPO: ``beta * (log pi - log pi_ref)`` (IPO length-averaged) needs the reference;
     SimPO's ``beta * mean log pi`` and ORPO's do not; KTO's is sigmoid DPO's. Ties count as wrong.
+    Scored and judged by the DPO stage's own functions (`score_pairs`, `pair_loss`).
     """
     n = len(pairs["chosen_input_ids"])
     if n == 0:
         raise ValueError("implicit preference accuracy: no pairs")
-    ids = pairs["chosen_input_ids"] + pairs["rejected_input_ids"]
-    labels = pairs["chosen_labels"] + pairs["rejected_labels"]
-    logps, lengths = completion_logprobs(policy, ids, labels, pad_id, batch_size, "preference pairs (policy)")
-    ref = None
+    split, collate = Split.from_columns(dict(pairs)), preference_collate(pad_id)
+
+    def scores(model: Transformer, who: str) -> PairLogps:
+        head = OutputHead(model, None, {"chunked_ce": True, "ce_chunks": 8})  # the memory defaults (one process)
+        return score_pairs(model, head, split, collate, batch_size, _device(model), f"preference pairs ({who})")
+
+    logps, ref = scores(policy, "policy"), None
     if dpo_cfg["loss"] not in REFERENCE_FREE:
         if reference is None:
             raise ValueError(f"dpo.loss={dpo_cfg['loss']} needs the reference model")
-        ref, _ = completion_logprobs(reference, ids, labels, pad_id, batch_size, "preference pairs (reference)")
-    _, metrics = preference_loss(
-        pair_reward_type(dpo_cfg["loss"]), logps[:n], logps[n:], lengths[:n], lengths[n:],
-        None if ref is None else ref[:n], None if ref is None else ref[n:],
-        beta=dpo_cfg["beta"], label_smoothing=dpo_cfg["label_smoothing"], simpo_gamma=dpo_cfg["simpo_gamma"],
-    )
+        ref_logps = scores(reference, "reference")
+        ref = (ref_logps.chosen, ref_logps.rejected)
+    _, metrics = pair_loss(dpo_cfg, logps, ref)
     return {
         "pref_acc": metrics["rewards/accuracy"].item(),
         "pref_margin": metrics["rewards/margin"].item(),

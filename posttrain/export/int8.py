@@ -23,7 +23,7 @@ from torchao.core.config import config_to_dict
 from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-from posttrain.checkpoint.hf import SAFE_SINGLE
+from posttrain.model_files.hf import SAFE_SINGLE
 from posttrain.models import Transformer
 
 LOADING_NOTE = """# int8 weight-only copy

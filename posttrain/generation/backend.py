@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from posttrain.checkpoint import load_hf_model, load_state_into, read_hf_config, read_safetensors, save_hf_model, weight_files
+from posttrain.model_files import load_hf_model, load_state_into, read_hf_config, read_safetensors, save_hf_model, weight_files
 from posttrain.generation.sampler import GenerationOutput, SamplingParams, generate
 from posttrain.models import Transformer
 

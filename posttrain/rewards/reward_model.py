@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.checkpoint import (
+from posttrain.model_files import (
     CheckpointError,
     load_state_into,
     read_hf_config,

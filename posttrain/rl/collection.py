@@ -11,7 +11,7 @@
 - `SyncCollection`: each data-parallel rank samples its own prompts with its own generator,
   holding the trainer's current weights (staleness 0).
 - `AsyncCollection`: rank 0 drives `grpo.generators` Ray actors over the whole step batch
-  (`posttrain.rl.ray_collect`), within `grpo.max_staleness` versions; every rank gets its share.
+  (`posttrain.rl.ray_collector`), within `grpo.max_staleness` versions; every rank gets its share.
 
 Both are resumable (`state_dict` / `load_state_dict`: the policy version and the prompt feed
 behind the last step trained) and give the held-out evaluation a worker at the trainer's weights.
@@ -42,10 +42,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.data.loader import Batches
+from posttrain.evaluation.greedy import greedy_accuracy
 from posttrain.parallel import broadcast_from_main
-from posttrain.rl.collect import PromptFeed, SyncCollector
-from posttrain.rl.ray_collect import RayCollector, split_groups, start_ray
-from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, greedy_accuracy, rollout_stats
+from posttrain.rl.sync_collector import PromptFeed, SyncCollector
+from posttrain.rl.ray_collector import RayCollector, split_groups, start_ray
+from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, rollout_stats
 from posttrain.rl.weights import policy_weights
 from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
@@ -148,9 +149,13 @@ class _Collection:
 
     def held_out_accuracy(self, prompts: PromptBatch) -> float:
         """Greedy accuracy at the trainer's current weights, this rank's `prompts` and the others' together."""
-        correct, _ = greedy_accuracy(self.eval_worker, prompts)
-        correct, total = data_parallel_sum([correct, len(prompts)], self.mesh, self.device)
-        return correct / max(total, 1)
+        worker = self.eval_worker
+
+        def judge(texts: list[str], sequences: list[list[int]], examples: list[dict[str, Any]]) -> list[bool]:
+            return worker.reward_fn(texts, sequences, examples)[1]
+
+        return greedy_accuracy(worker.backend, worker.tokenizer, prompts.prompt_ids, prompts.examples, judge,
+                               worker.params.max_new_tokens, self.mesh, self.device)
 
     def step_metrics(self) -> dict[str, float]:
         return {} if self.resamples is None else {"resampled_batches": self.resampled}

@@ -127,8 +127,6 @@ class RolloutWorker:
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, params: SamplingParams,
                  group_size: int, reward_fn: RewardFunction):
-        if group_size < 2:
-            raise ValueError(f"grpo.group_size must be >= 2 (advantages are relative to the group), got {group_size}")
         self.backend, self.tokenizer, self.params = backend, tokenizer, params
         self.group_size, self.reward_fn = group_size, reward_fn
 
@@ -235,16 +233,3 @@ def build_worker(spec: WorkerSpec) -> RolloutWorker:
                                pretrained=spec.pretrained_reward_model, normalize=spec.rm_normalize,
                                workdir=spec.workdir, device=spec.device)
     return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn)
-
-
-def greedy_accuracy(worker: RolloutWorker, prompts: PromptBatch, seed: int = 0) -> tuple[int, float]:
-    """(correct count, summed reward) of greedy completions of `prompts` under the worker's current weights."""
-    if not len(prompts):
-        return 0, 0.0
-    params = SamplingParams(max_new_tokens=worker.params.max_new_tokens, temperature=0.0,
-                            stop_token_ids=worker.params.stop_token_ids)
-    out = worker.backend.generate(prompts.prompt_ids, params, seed)
-    texts = worker.tokenizer.decode_batch(out.tokens)
-    sequences = [p + c for p, c in zip(prompts.prompt_ids, out.tokens)]
-    rewards, correct = worker.reward_fn(texts, sequences, prompts.examples)
-    return sum(correct), float(sum(rewards))

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from tqdm.std import tqdm
 
-from posttrain.checkpoint import CheckpointError
+from posttrain.model_files import CheckpointError
 from posttrain.data.sources import DataError
 from posttrain.models import ModelConfigError
 from posttrain.tokenizer import TokenizerError
-from posttrain.training.resume import ResumeError, StopOnSignal
+from posttrain.training.checkpointer import ResumeError
+from posttrain.training.signals import StopOnSignal
 from posttrain.utils.io import OutputExistsError
 from posttrain.utils.metrics import LoggerUnavailableError
 

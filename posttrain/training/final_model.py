@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.checkpoint import save_hf_model
+from posttrain.model_files import save_hf_model
 from posttrain.models.lora import merged_state_dict, save_peft_adapter
 from posttrain.parallel import barrier, gather_full_state_dict
 from posttrain.tokenizer import Tokenizer

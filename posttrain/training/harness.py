@@ -1,9 +1,10 @@
 """The scaffold every training stage runs in, written once: a stage script keeps its data, loss, step and evaluation.
 
-    run = StageRun(STAGE, READS, INPUTS, __file__)        # flags, config, processes, mesh, seed, tokenizer
+    run = StageRun(STAGE, READS, INPUTS, __file__)        # flags, config, processes, mesh, seed, tokenizer,
+                                                          # checkpointer, metrics, stop-on-signal
     model = run.build_model(source, hf_config)            # on the mesh, per memory/parallel
     optimization = run.optimization(model)                # optimizer, schedule, clipping, guard
-    run.resume(model, optimization, data)                 # newest checkpoint, metrics, stop-on-signal
+    run.resume(model, optimization, data)                 # the newest checkpoint, if any, loaded into them
     before = run.measure_before(evaluate)                 # logged at step 0, kept across a resume
     for step in run.steps():                              # progress, timing, checkpoints, SIGTERM
         ...                                               # the stage's own step
@@ -13,7 +14,7 @@
     if __name__ == "__main__":
         run_main(STAGE, main)                             # training.faults: known failures as one line, OOM explained
 
-Resume state lives in `<out>.resume/` (`posttrain.training.resume`): every `<stage>.checkpoint_every`
+Resume state lives in `<out>.resume/` (`posttrain.training.checkpointer`): every `<stage>.checkpoint_every`
 steps and when SIGTERM arrives (Slurm preemption, time limits; the stage then exits 143 and the
 same command continues). A checkpoint holds the model, optimizer, schedule, RNG, the data
 position (`data.state_dict()`) and the metrics measured before training, so a resumed run
@@ -32,16 +33,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from posttrain.stage_config import load_stage_config, parse_inputs
-from posttrain.checkpoint import resolve_model_source
+from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
 from posttrain.parallel import build_mesh, data_parallel_rank, destroy, init_distributed
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.final_model import save_final_model
 from posttrain.training.faults import SettingError, kill_if_requested, pause_if_requested
 from posttrain.training.optimization import Optimization
-from posttrain.training.resume import Checkpointer, ResumePoint, StopOnSignal, remove_resume_state, resume_dir
+from posttrain.training.checkpointer import Checkpointer, ResumePoint, remove_resume_state
+from posttrain.training.signals import StopOnSignal
 from posttrain.training.setup import build_model, seed_everything
-from posttrain.utils.io import refuse_other_run
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 
@@ -80,7 +81,11 @@ class StageRun:
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
         seed_everything(self.cfg["seed"])
         self.tokenizer = Tokenizer(Path(self.args.data) / "tokenizer")
-        refuse_other_run(self.out, self.cfg["key"])  # before any work, not when the output would replace it
+        # Every piece of run state exists from here on (refusing another run's output before any work):
+        # the checkpointer the loop saves through, the metrics it logs to, the signal it stops on.
+        self.checkpointer = Checkpointer(self.out, every=self.section.get("checkpoint_every", 0), key=self.cfg["key"])
+        self.metrics = MetricsLogger(self.checkpointer.metrics_path, enabled=self.is_main, loggers=self.cfg["loggers"],
+                                     run_name=f"{stage}-{self.cfg['key']}", config=self.cfg)
         self.stop = StopOnSignal()
         self.start_step = 0
         self.last_checkpoint: Path | None = None
@@ -128,9 +133,8 @@ class StageRun:
     def resume(self, model: Transformer, optimization: Optimization, data: Resumable,
                extra: Mapping[str, tuple[nn.Module, Optimizer]] | None = None) -> ResumePoint | None:
         """Load the newest checkpoint into model, optimizer, schedule, RNG and `data` (and `extra`'s
-        models and optimizers, trained beside the main one: PPO's critic); open the metrics."""
+        models and optimizers, trained beside the main one: PPO's critic), which the loop's checkpoints then save."""
         self._model, self._optimization, self._data, self._extra = model, optimization, data, extra
-        self.checkpointer = Checkpointer(self.out, every=self.section["checkpoint_every"], key=self.cfg["key"])
         resumed = self.checkpointer.load(model, optimization.optimizer, optimization.scheduler, extra)
         if resumed is not None:
             if hasattr(data, "load_files"):
@@ -141,8 +145,6 @@ class StageRun:
             if self.is_main:
                 truncate_after(self.checkpointer.metrics_path, self.start_step)
                 print(f"resuming from {resumed.path} at step {self.start_step}", flush=True)
-        self.metrics = MetricsLogger(self.checkpointer.metrics_path, enabled=self.is_main, loggers=self.cfg["loggers"],
-                                     run_name=f"{self.stage}-{self.cfg['key']}", config=self.cfg)
         self._resumed = resumed
         return resumed
 
@@ -196,8 +198,12 @@ class StageRun:
         """Seconds since the current step began."""
         return time.perf_counter() - self._t0
 
-    def log_step(self, record: dict[str, Any], postfix: Mapping[str, str] | None = None) -> None:
-        """The step's metrics (`step_s` and `peak_memory_mb` added); `postfix`: metric -> format for the bar."""
+    def log_step(self, record: dict[str, Any], postfix: Mapping[str, str] | None = None,
+                 tokens: float | None = None) -> None:
+        """The step's metrics (`step_s` and `peak_memory_mb` added, and `tokens_per_s` of the step's `tokens`);
+        `postfix`: metric -> format for the bar."""
+        if tokens is not None:
+            record["tokens_per_s"] = tokens / self.seconds()
         record.setdefault("step_s", self.seconds())
         record["peak_memory_mb"] = peak_memory_mb(self.device)
         self._record = (record, dict(postfix or {"loss": ".4f"}))
@@ -221,5 +227,5 @@ class StageRun:
 
     def done(self) -> None:
         """The output is complete: remove the resume state and give SIGTERM back its previous handler."""
-        remove_resume_state(resume_dir(self.out))
+        remove_resume_state(self.checkpointer.root)
         self.stop.restore()

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from posttrain.checkpoint import load_hf_model, read_hf_config, resolve_model_source
+from posttrain.model_files import load_hf_model, read_hf_config, resolve_model_source
 from posttrain.models import ModelConfigError, Transformer, is_preset, preset_config
 from posttrain.models.lora import apply_lora
 from posttrain.optim import build_lr_scheduler, build_optimizer

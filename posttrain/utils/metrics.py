@@ -90,12 +90,16 @@ class MetricsLogger:
             raise ValueError(f"config key `loggers`: unknown logger {unknown[0]!r}; choose from {', '.join(LOGGERS)}")
         for name in loggers:
             _require(name)
+        self._loggers, self._log_dir, self._run_name, self._config = tuple(loggers), log_dir, run_name, config
+        self._file: Any = None
         self._tb = self._wandb = self._mlflow = None
-        if not enabled:
-            return
+
+    def _open(self) -> None:
+        """Open the sinks at the first record, so a run that fails before logging leaves no file behind."""
+        loggers, run_name, config = self._loggers, self._run_name, self._config
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
-        log_dir = Path(log_dir or self.path.parent / "logs")
+        log_dir = Path(self._log_dir or self.path.parent / "logs")
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -124,6 +128,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float | int | str]) -> None:
         if not self.enabled:
             return
+        if self._file is None:
+            self._open()
         record = {"step": step, **metrics}
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
         self._file.flush()
@@ -137,9 +143,10 @@ class MetricsLogger:
             self._mlflow.log_metrics(numeric, step=step)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file is None:
             return
         self._file.close()
+        self._file = None
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -4,7 +4,7 @@ Columns of `summary.tsv` (empty cell = not applicable or not measured):
 
     variant            ablation variant name
     group              the variant's overrides without `seed` (`default` when none): variants that
-                       differ only in their seed form one group, aggregated by posttrain.evaluation.effects
+                       differ only in their seed form one group, aggregated by posttrain.report.effects
     seed               the stage's seed (its posttrain.json)
     stage              evaluated model: base (model.policy before training, with eval.base), sft, dpo, grpo, distill
     previous           the stage this one started from (sft: base, or empty without eval.base; distill: its teacher)

@@ -21,8 +21,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -125,10 +123,7 @@ class Checkpointer:
         self.root = resume_dir(out)
         self.every = int(every)
         self.key = key
-        self.rank, self.world_size = _rank_world()
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        self.rank, self.world_size = _rank_world()  # the directory appears with the first save
 
     @property
     def metrics_path(self) -> Path:
@@ -266,80 +261,3 @@ def remove_resume_state(root: Path) -> None:
     _barrier()
     if _rank_world()[0] == 0:
         shutil.rmtree(root, ignore_errors=True)
-
-
-class StopOnSignal:
-    """Turns SIGTERM (Slurm preemption, time limits) into a request honoured at the next step boundary.
-
-    `requested()` is collective under torch.distributed: a signal seen by any rank stops all of
-    them at the same step, so they all take part in the final checkpoint.
-    """
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
-        self.signum: int | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in signals}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def requested(self) -> bool:
-        flag = 0 if self.signum is None else int(self.signum)
-        if dist.is_available() and dist.is_initialized():
-            t = torch.tensor([flag], dtype=torch.int64)
-            if dist.get_backend() == "nccl":
-                t = t.cuda()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
-        if flag and self.signum is None:
-            self.signum = flag
-        return flag != 0
-
-    def exit(self, step: int, checkpoint: Path) -> None:
-        """Leave with a non-zero status (128 + signal) after the checkpoint at `step` is on disk."""
-        signum = self.signum or signal.SIGTERM
-        print(
-            f"received {signal.Signals(signum).name}: saved resume state at step {step} in {checkpoint}; "
-            "rerun the same command to continue",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(128 + signum)
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
-class ResultLog:
-    """Results of a stage's numbered work items (generation calls), kept in `<out>.resume/` as they finish.
-
-    One JSON line per item, flushed and fsynced, after a header naming the stage key: a rerun
-    skips the items already done and a log of another configuration is ignored. Items must be
-    deterministic given their number (each generation call has its own seed), so skipping them
-    changes nothing. Removed with the rest of the resume state.
-    """
-
-    def __init__(self, out: str | os.PathLike, name: str, key: str | None):
-        self.path = resume_dir(out) / name
-        self.key = key
-        self.done: dict[int, Any] = {}
-        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []
-        if lines and json.loads(lines[0]).get("key") == key:
-            for line in lines[1:]:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # the last line of a killed write
-                    break
-                self.done[int(record["item"])] = record["result"]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w", encoding="utf-8") as f:  # rewritten without any torn last line
-            f.write(json.dumps({"key": key}) + "\n")
-            for item, result in self.done.items():
-                f.write(json.dumps({"item": item, "result": result}) + "\n")
-
-    def add(self, item: int, result: Any) -> None:
-        self.done[item] = result
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"item": item, "result": result}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())

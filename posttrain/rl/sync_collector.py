@@ -5,7 +5,7 @@ seed, so which prompts and which random draws a step sees depends only on the se
 (never on timing), and it remembers the loader position behind every drawn batch so a checkpoint
 can record where a resumed run continues. `SyncCollector` generates a step's rollouts when the
 trainer asks, with the trainer's current weights (on-policy, staleness 0). The Ray collector
-(`posttrain.rl.ray_collect`) offers the same `next` / `push_weights` methods (and `close`).
+(`posttrain.rl.ray_collector`) offers the same `next` / `push_weights` methods (and `close`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint interop (safetensors only) and model sources."""
 
-from posttrain.checkpoint.hf import (
+from posttrain.model_files.hf import (
     CheckpointError,
     load_hf_model,
     load_state_into,

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: the step of `stages/sft.py` (`posttrain.sft.step`)."""
