@@ -35,7 +35,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to OUT/NAME
 
 nvidia-smi -L
 "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
-part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_parallel_gpu.py tests/test_losses_gpu.py tests/test_attention.py
+part pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/parallel/test_parallel_gpu.py tests/losses/test_losses_gpu.py tests/models/test_attention.py
 part sft_memory 75 "$PY" benchmarks/sft_memory.py --device cuda --json "$OUT/sft_memory.json"
 part dpo_memory 60 "$PY" benchmarks/dpo_memory.py --device cuda --json "$OUT/dpo_memory.json"
 part dpo_memory_4bit 60 "$PY" benchmarks/dpo_memory.py --device cuda --low-bit adamw4bit --only on-precompute,on-online \

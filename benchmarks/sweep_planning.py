@@ -6,7 +6,7 @@ The requirement is a 20-variant plan in under 10 s on the 2-core machine. Planni
 config, resolves every variant's stage keys and writes each planned stage's resolved config, so
 its cost grows with the variants; the ratio says how much of the sweep's time is per-variant work
 and how much is Snakemake's start-up. Each run plans into a fresh temporary results folder (the
-same grid as tests/test_workflow_snakemake.py); the best of `--repeats` wall times is reported,
+same grid as tests/workflow/test_workflow_snakemake.py); the best of `--repeats` wall times is reported,
 with the CPU time the dry run used.
 """
 

@@ -50,7 +50,7 @@ yet trained on, with the policy version sampling it, and the weights of those ve
 `grpo.max_staleness` of them, in `generator-weights/`). The resumed run dispatches those tickets
 again first, each with its own version's weights (its prompts and sampling seed follow from the
 ticket alone), so it trains on exactly the batches the uninterrupted run sampled
-(`tests/test_async_resume.py`). The output is an HF model folder with `metrics.jsonl` and
+(`tests/rl/test_async_resume.py`). The output is an HF model folder with `metrics.jsonl` and
 `posttrain.json`.
 """
 

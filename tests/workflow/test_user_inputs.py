@@ -27,7 +27,7 @@ from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import train_bpe_tokenizer
 from snakemake_testing import job_counts
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "[0-9a-f]{12}"
 REWARD_CODE = '''"""My verifier: the share of the reference answer's characters the reply holds (partial credit)."""
 

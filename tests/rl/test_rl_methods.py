@@ -145,7 +145,7 @@ def test_the_grpo_stage_runs_rloo_reinforce_pp_and_gspo_with_clip_higher(tmp_pat
         cfg = grpo_config(name, data=RANDOM_DATA, reward={"verifiers": ["grpo_testing:length_reward"]}, steps=2,
                           prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=1e-3, **method)
         out = tmp_path / name
-        run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).parent))
+        run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
         records = step_records(out)
         assert len(records) == 2 and all(np.isfinite(r["loss"]) and 0.0 <= r["clip_frac"] <= 1.0 for r in records)
         trained = weights(out)
@@ -167,7 +167,7 @@ def test_async_collection_runs_ppo_with_dynamic_sampling(tmp_path):
                       mode="async", generators=1, max_staleness=1, advantage="gae", dynamic_sampling=True,
                       max_resamples=2)
     out = tmp_path / "grpo"
-    run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).parent))
+    run_grpo(cfg, data, model, out, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     records = step_records(out)
     assert len(records) == 3 and all(r["value_loss"] > 0 and r["critic_grad_norm"] > 0 for r in records)
     assert sum(r["resampled_batches"] for r in records) > 0

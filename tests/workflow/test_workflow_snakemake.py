@@ -3,7 +3,7 @@
 The copy's stages/*.py are test doubles: each declares the real stage's `READS`, checks the inputs
 it is handed, writes its declared output and appends `<stage> <key>` to $FAKE_STAGE_LOG, so job
 planning, rerun decisions and the shell lines are tested in seconds. (The real stages run end to
-end in the smoke test; tests/test_stage_keys.py plans a copy of the real ones.)
+end in the smoke test; tests/workflow/test_stage_keys.py plans a copy of the real ones.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from posttrain.workflow.fingerprint import declared_reads
 from snakemake_testing import job_counts
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export", "report")
 TRAINING = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill")
 

@@ -26,7 +26,7 @@ from posttrain.workflow.layout import STAGE_DIRS
 from posttrain.workflow.plan import build_plan
 from snakemake_testing import job_counts
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "[0-9a-f]{12}"
 
 

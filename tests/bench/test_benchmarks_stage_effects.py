@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import stage_effects  # noqa: E402

@@ -12,7 +12,7 @@ import yaml
 
 from posttrain.workflow import profiles
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = [sys.executable, "-m", "posttrain.workflow.profiles", "install"]
 
 

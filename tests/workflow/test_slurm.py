@@ -34,7 +34,7 @@ from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, una
 # leave room for a loaded machine.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "posttrain", "envs")  # keys cover its own code
 SLURM_RULES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export")
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")

@@ -23,7 +23,7 @@ from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.schema import validate_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STAGE = ROOT / "stages" / "prepare_data.py"
 SPLITS = ("sft", "sft_eval", "preference", "prompts", "eval")
 

@@ -29,7 +29,7 @@ from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import build_plan
 from sft_testing import env_for, prepare_data, resolved_config, write_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 97
 CHUNKED = {"chunked_ce": True, "ce_chunks": 3}
 FULL = {"chunked_ce": False, "ce_chunks": 3}

@@ -25,7 +25,7 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.schema import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K = 4
 OUTPUTS = ("rollouts.parquet", "pass_rates.parquet", "grpo_prompts.parquet", "pairs.parquet", "stats.json")
 # Sorting 4 single digits: the reward model only has to notice an out-of-order pair.

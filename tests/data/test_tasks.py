@@ -11,7 +11,7 @@ import yaml
 from posttrain.data.tasks import SPLITS, TASKS, build_task, is_held_out, make_splits
 from posttrain.rewards import TASK_VERIFIERS, format_reward, task_verifier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALL_TASKS = [
     {"name": "arithmetic", "ops": ["add", "sub", "mul"], "digits": 2},
     {"name": "sort", "length": 5, "max_value": 99},

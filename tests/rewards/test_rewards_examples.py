@@ -24,7 +24,7 @@ from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.plan import build_plan
 from posttrain.workflow.schema import ConfigError, load_config, load_yaml, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (ROOT / "config" / "examples").glob("*.yaml"))
 QWEN3 = "qwen3-0.6b-8gpu.yaml"
 COUNTS = 6  # rows per kind

@@ -23,7 +23,7 @@ from posttrain.models import Transformer, document_positions
 from posttrain.models import attention
 from posttrain.models.attention import VarlenMask, attention_backend, attention_mask, document_varlen
 
-# As tests/test_models.py builds its models: GQA (4 query heads over 2), q/k norms, head_dim 32.
+# As tests/models/test_models.py builds its models: GQA (4 query heads over 2), q/k norms, head_dim 32.
 CFG = dict(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
 SEQ = 160  # over one 128-token flex block: documents cross block boundaries

@@ -198,7 +198,7 @@ def test_without_a_model_the_base_model_is_evaluated_as_sft_starts_from_it(resul
 ])
 def test_config_errors_name_the_key(results, monkeypatch, change, error, message):
     """A stage trusts what the schema and the dry run checked (eval.pass_k <= eval.samples is theirs:
-    tests/test_workflow.py); what it reads must be there."""
+    tests/workflow/test_workflow.py); what it reads must be there."""
     path = eval_config(results, "bad000000000", "sft", SFT_KEY)
     cfg = json.loads(path.read_text())
     change(cfg)

@@ -27,7 +27,7 @@ from posttrain.data.store import load_split
 from posttrain.tokenizer import IM_END, Tokenizer, train_bpe_tokenizer
 from posttrain.workflow.schema import load_schema, validate_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "datasets"
 MAX_LEN = 512
 

