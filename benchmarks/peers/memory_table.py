@@ -2,7 +2,7 @@
 
     python benchmarks/peers/memory_table.py [--budget-gib 3] [--layers 2] [--start-seq 512] [--max-seq 8192] [--fixed-seq 1024]
 
-The model is `benchmarks/sft_memory.py`'s (vocabulary 151,936, hidden 512, tied embeddings,
+The model is `benchmarks/memory/sft_memory.py`'s (vocabulary 151,936, hidden 512, tied embeddings,
 `--layers` blocks), random-init once and loaded by both sides. The workload is SFT with one
 document of exactly `seq` tokens per row (no padding on either side; the first eighth is prompt,
 not scored), `--batch` rows, AdamW, float32: one warm-up step and one measured step, so the peak

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
-if str(BENCHMARKS) not in sys.path:  # the shared benchmark helpers (_memory, sft_memory, ...)
-    sys.path.insert(0, str(BENCHMARKS))
+if str(BENCHMARKS) not in sys.path:  # the shared benchmark helpers (_memory, ...) and the groups' scripts (sft_memory, ...)
+    sys.path[:0] = [str(BENCHMARKS), *(str(d) for d in sorted(BENCHMARKS.glob("[a-z]*/")))]
 
 from _documents import skewed_documents  # noqa: E402
 

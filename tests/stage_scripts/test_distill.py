@@ -229,7 +229,7 @@ def test_two_processes_match_one(name, distill, parallel, data_dir, teacher_dir,
 # The learning tests on the default task: config.yaml's data section, a teacher trained by the default
 # SFT section, the default distill section at 400 steps (`KD_STEPS`: half the default 800, which only
 # seed 2's forward-KL student of the pipeline needed), and the same student trained by SFT alone with
-# the distill section's steps, batch and schedule. Margins from `python benchmarks/learning_spread.py kd`
+# the distill section's steps, batch and schedule. Margins from `python benchmarks/quality/learning_spread.py kd`
 # (seeds 1234, 1, 2 at one and at two threads; AMD EPYC with AVX-512, 2026-12-01; both thread counts
 # gave the same measures):
 # - on the 800 labelled rows: teacher 0.73-0.89, KD student / teacher 0.97-1.25, KD minus labels alone

@@ -127,7 +127,7 @@ def test_dpo_learns_held_out_preferences_without_collapse(sft, tmp_path):
 
     s = summary(out)
     assert s["pref_pairs"] == 100 and s["reference"] == "precompute"
-    # Margins from `python benchmarks/learning_spread.py dpo` (seeds 1234, 1, 2 x 1 and 2 threads, AMD
+    # Margins from `python benchmarks/quality/learning_spread.py dpo` (seeds 1234, 1, 2 x 1 and 2 threads, AMD
     # EPYC with AVX-512, 2026-12-01): pref_acc 0.74-0.79, likelihood_acc minus the SFT model's -0.00 to
     # +0.02, SFT greedy accuracy 0.34-0.42, DPO / SFT accuracy 0.91-1.00, format 0.99-1.00. (The SFT
     # lr was 5e-3 before: one seed in three then sat on the plateau, 0.07 accuracy, and on a Xeon

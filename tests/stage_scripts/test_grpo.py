@@ -18,7 +18,7 @@ from posttrain.training.checkpointer import resume_dir
 # The test budget: the default grpo section (steps, prompts, group size, ...) with a smaller eval, at the
 # lr for a partly solved starting policy (the default, 1e-4, is set for the pipeline's near-solved one).
 LEARN = {"eval_prompts": 100, "lr": 3e-4}
-# Margins from `python benchmarks/learning_spread.py grpo` (seeds 1234, 1, 2 at 1 thread, seed 2 also at 2: identical; AMD EPYC
+# Margins from `python benchmarks/quality/learning_spread.py grpo` (seeds 1234, 1, 2 at 1 thread, seed 2 also at 2: identical; AMD EPYC
 # with AVX-512, 2026-12-01): mean sampled reward over the last WINDOW steps minus the first 0.106-0.129;
 # held-out greedy accuracy +0.04 to +0.18 (100 prompts; the old claim, >= +0.10, failed on a Xeon at +0.07).
 WINDOW = 15  # steps

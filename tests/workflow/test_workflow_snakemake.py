@@ -196,7 +196,7 @@ def test_lint_is_clean(wf):
 def test_twenty_variant_sweep_plans_every_variant_and_shares_the_prefix(wf):
     """A 20-variant sweep plans 20 GRPO runs on 2 SFT runs (the only SFT-relevant key has 2 values).
 
-    Its planning time is measured by benchmarks/sweep_planning.py, not asserted here.
+    Its planning time is measured by benchmarks/tools/sweep_planning.py, not asserted here.
     """
     rows = [f"v{i:02d}|{2 + i % 5}|{1e-6 * (1 + i // 5):.1e}|{i % 2}" for i in range(20)]
     wf.table("variant|grpo.group_size|grpo.lr|memory.activation_checkpointing\n" + "\n".join(rows) + "\n")

@@ -1,6 +1,6 @@
 """Does every stage of the default recipe do what it is for, in every run? One table over runs.
 
-    python benchmarks/stage_effects.py results-1thread/report results-2threads/report
+    python benchmarks/quality/stage_effects.py results-1thread/report results-2threads/report
 
 Each argument is a report directory of a finished sweep (e.g. `config/seeds.tsv`, one run per
 thread count, since a change of threads changes float rounding as a change of CPU does). For every
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nRuns:")
     for report in args.reports:
         print(f"- {report}: {machine_description(read_machine(report / 'machine.json'))}")
-    print(f"\nMade by `{shlex.join(['python', 'benchmarks/stage_effects.py', *map(str, args.reports)])}`.")
+    print(f"\nMade by `{shlex.join(['python', 'benchmarks/quality/stage_effects.py', *map(str, args.reports)])}`.")
     return 0 if table["claim"].dropna().all() else 1
 
 

@@ -1,6 +1,6 @@
 """Time `snakemake --dry-run` of a 20-variant sweep against a one-variant run of the same workflow.
 
-    python benchmarks/sweep_planning.py [--variants 20] [--repeats 3]
+    python benchmarks/tools/sweep_planning.py [--variants 20] [--repeats 3]
 
 The requirement is a 20-variant plan in under 10 s on the 2-core machine. Planning validates the
 config, resolves every variant's stage keys and writes each planned stage's resolved config, so
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sweep_table(n: int) -> str:

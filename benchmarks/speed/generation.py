@@ -1,6 +1,6 @@
 """Tokens/s of posttrain's KV-cache sampler over `transformers.generate`, same model and prompts.
 
-    python benchmarks/generation.py [--batch 32] [--new-tokens 128] [--preset tiny]
+    python benchmarks/speed/generation.py [--batch 32] [--new-tokens 128] [--preset tiny]
 
 Both sides decode greedily for exactly --new-tokens tokens (no early stop) from the same
 left-padded ragged prompts; the ratio comes from one run, best of --repeats for each side.

@@ -1,6 +1,6 @@
 """Rows/s and useful-token fraction of our SFT tokenize+pack against a plain baseline, same data.
 
-    python benchmarks/data_prep.py [--rows 4000] [--max-seq-len 128] [--batch-size 16] [--tokenizer DIR]
+    python benchmarks/speed/data_prep.py [--rows 4000] [--max-seq-len 128] [--batch-size 16] [--tokenizer DIR]
 
 Ours: `posttrain.data.tokenize.sft_split` (chat template, assistant loss mask, truncation, packing
 into `max_seq_len` rows with document boundaries). Baseline, as a TRL-style SFT pipeline does it:
@@ -26,7 +26,7 @@ from posttrain.data.tasks import make_splits
 from posttrain.data.tokenize import sft_split, tokenizer_training_text
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def baseline(rows: list[dict], folder: Path, max_len: int, batch_size: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """The spread of the suite's learning claims over seeds and torch threads, one line a run.
 
-    python benchmarks/learning_spread.py dpo|grpo|kd [--seeds 1234 1 2] [--threads 1 2]
+    python benchmarks/quality/learning_spread.py dpo|grpo|kd [--seeds 1234 1 2] [--threads 1 2]
 
 A learning test runs once in CI, on one seed and one thread; its margins are set from this
 script's spread (a change of threads changes float rounding as a change of CPU does). Each run
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 

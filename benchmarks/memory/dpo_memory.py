@@ -1,7 +1,7 @@
 """Peak memory of one full-fine-tuning DPO step: precomputed vs on-the-fly reference, memory features off vs on.
 
 The model has Qwen3's real vocabulary (151,936) and hidden size 512 (a few layers, tied
-embeddings, as in `benchmarks/sft_memory.py`); a batch of `--pairs` preference pairs of `--seq`
+embeddings, as in `benchmarks/memory/sft_memory.py`); a batch of `--pairs` preference pairs of `--seq`
 tokens each side, the first quarter of each the prompt (not scored). Each variant runs in a fresh
 process (`benchmarks/_memory.py`), built by the stage's own pieces: `build_model`, `Optimization`,
 the reference classes of `posttrain.dpo` and the stage's step (`posttrain.dpo.step.preference_step`).
@@ -24,11 +24,12 @@ reference copy is 40% of everything the online run holds, i.e. when the policy's
 states and step peak together stay under 1.5 W: optimizer in backward plus a 4-bit optimizer, on a
 model whose largest gradient (here the tied 151,936-row embedding) is small beside its weights.
 
-    python benchmarks/dpo_memory.py [--device cpu|cuda] [--layers 4] [--pairs 2] [--seq 512] [--only off-precompute,...]
+    python benchmarks/memory/dpo_memory.py [--device cpu|cuda] [--layers 4] [--pairs 2] [--seq 512] [--only off-precompute,...]
 """
 
 from __future__ import annotations
 
+import sys
 import argparse
 import json
 from pathlib import Path
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
-import _memory  # benchmarks/ is on sys.path when run as a script
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
+import _memory
 from _memory import peak_memory
 from sft_memory import model_config  # the same model: Qwen3's vocabulary, hidden size 512
 

@@ -11,11 +11,12 @@ Reported per variant: `total` = memory held after setup (weights, gradients' abs
 states; on CPU also the process's libraries, the same for every variant) + the step's peak above it.
 The all-features/baseline ratio uses `total`. Target (issue 4): <= 0.5x.
 
-    python benchmarks/sft_memory.py [--device cpu|cuda] [--layers 4] [--seq 2048] [--only baseline,chunked_ce]
+    python benchmarks/memory/sft_memory.py [--device cpu|cuda] [--layers 4] [--seq 2048] [--only baseline,chunked_ce]
 """
 
 from __future__ import annotations
 
+import sys
 import argparse
 import json
 from pathlib import Path
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
-from _memory import peak_memory  # benchmarks/ is on sys.path when run as a script
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
+from _memory import peak_memory
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QWEN3_VOCAB = 151_936
 
 BASELINE_MEMORY = {

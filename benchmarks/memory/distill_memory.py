@@ -6,13 +6,15 @@ at Qwen3's real vocabulary (151,936), each in a fresh process, from the same inp
 projections of a student and a teacher and their final hidden states (teacher's without grad).
 The losses and gradients of the two are compared as a correctness check.
 
-    python benchmarks/distill_memory.py [--tokens 2048] [--chunks 8] [--kind forward_kl] [--device cpu]
+    python benchmarks/memory/distill_memory.py [--tokens 2048] [--chunks 8] [--kind forward_kl] [--device cpu]
 
 Target (issue 9): chunked peak <= 0.5x naive.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import json
 from typing import Any
@@ -21,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _memory import peak_memory  # benchmarks/ is on sys.path when run as a script
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
+from _memory import peak_memory
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.kd import kd_loss, token_divergence
 

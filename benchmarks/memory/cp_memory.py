@@ -14,7 +14,7 @@ tokens (documents of `--doc` tokens). Measured on rank 0, for the forward and ba
 The cp2/cp1 ratios are printed; 0.5 would be a perfect split (the gathered keys and values are the part
 that is not split).
 
-    python benchmarks/cp_memory.py [--seq 4096] [--layers 4] [--hidden 256] [--device cpu|cuda]
+    python benchmarks/memory/cp_memory.py [--seq 4096] [--layers 4] [--hidden 256] [--device cpu|cuda]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compare the weights of two finished results trees, stage by stage: byte-identical or not.
 
-    python benchmarks/compare_results.py BEFORE/results/smoke AFTER/results/smoke
+    python benchmarks/tools/compare_results.py BEFORE/results/smoke AFTER/results/smoke
 
 A refactor that must not change what the pipeline computes is checked by running the same config
 before and after it and comparing every safetensors file of every stage output. Stage keys may

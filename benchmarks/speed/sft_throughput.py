@@ -12,13 +12,14 @@ Then, on packed rows, each memory feature alone shows its speed cost against the
 The step is the stage's own (`build_model`, `Optimization`, `posttrain.sft.step.sft_step`);
 `--warmup` steps (compilation, lazy states) are not timed, `--steps` are.
 
-    python benchmarks/sft_throughput.py [--device cpu|cuda] [--seq 256] [--rows 8] [--steps 5]
+    python benchmarks/speed/sft_throughput.py [--device cpu|cuda] [--seq 256] [--rows 8] [--steps 5]
 
 Target (issue 4): packed >= 2x padded.
 """
 
 from __future__ import annotations
 
+import sys
 import argparse
 import json
 import time
@@ -35,7 +36,9 @@ from posttrain.models import preset_config
 from posttrain.sft.step import sft_step
 from posttrain.training.optimization import Optimization
 from posttrain.training.setup import build_model
-from _documents import skewed_documents  # benchmarks/ is on sys.path when run as a script
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
+from _documents import skewed_documents
 from sft_memory import variant_config
 
 FEATURES = ("chunked_ce", "activation_checkpointing", "optimizer_in_backward", "adamw8bit", "compile", "lora")

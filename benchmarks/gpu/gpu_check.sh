@@ -5,7 +5,7 @@
 # trl is installed, for TRL; the torchtune paper's anchors beside ours. Prints one table and writes
 # the figures as JSON (gpu_check.json, plus each part's file) to OUT_DIR.
 #
-#   benchmarks/gpu_check.sh OUT_DIR [--dry]     # --dry: CPU, tiny shapes, end to end
+#   benchmarks/gpu/gpu_check.sh OUT_DIR [--dry]     # --dry: CPU, tiny shapes, end to end
 #
 # Exit status: 0 when every check that ran passed, 1 when one failed, 2 on bad usage / no GPU.
 set -uo pipefail
@@ -22,7 +22,7 @@ for arg in "$@"; do
   esac
 done
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # posttrain importable without installing it
 export TQDM_DISABLE=1
@@ -41,11 +41,11 @@ start=$SECONDS
 LIMIT_OURS=${GPU_CHECK_LIMIT_OURS:-300} LIMIT_TRL=${GPU_CHECK_LIMIT_TRL:-150}  # seconds; env overrides for short leases
 [[ ${#DRY[@]} -eq 1 ]] && LIMIT_OURS=0 LIMIT_TRL=0
 timeout "$LIMIT_OURS" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-  "$ROOT/benchmarks/gpu_check.py" ours --out "$OUT" --work "$WORK" "${DRY[@]}" \
+  "$ROOT/benchmarks/gpu/gpu_check.py" ours --out "$OUT" --work "$WORK" "${DRY[@]}" \
   || echo "gpu_check: posttrain part exited with status $?" >&2
-timeout "$LIMIT_TRL" "$PY" "$ROOT/benchmarks/gpu_check.py" trl --out "$OUT" --work "$WORK" "${DRY[@]}" \
+timeout "$LIMIT_TRL" "$PY" "$ROOT/benchmarks/gpu/gpu_check.py" trl --out "$OUT" --work "$WORK" "${DRY[@]}" \
   || echo "gpu_check: TRL part exited with status $?" >&2
-"$PY" "$ROOT/benchmarks/gpu_check.py" report --out "$OUT" "${DRY[@]}"
+"$PY" "$ROOT/benchmarks/gpu/gpu_check.py" report --out "$OUT" "${DRY[@]}"
 status=$?
 echo "gpu_check: $((SECONDS - start)) s"
 exit $status

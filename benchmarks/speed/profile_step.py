@@ -1,10 +1,10 @@
 """Where an SFT training step's time goes: attention, matmuls, loss, optimizer, communication, the rest,
 and the host's share, with the step's model FLOP utilization (MFU). One process, `torch.profiler`.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_step.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/speed/profile_step.py \
         --variant packing --json OUT/profile_packing.json [--dry]
 
-The step is `benchmarks/gpu_check.py`'s (random-init Qwen3-0.6B shape, batch 2 x 2048, chunked
+The step is `benchmarks/gpu/gpu_check.py`'s (random-init Qwen3-0.6B shape, batch 2 x 2048, chunked
 cross-entropy, optimizer-in-backward, bf16 FSDP2 on one rank; `--variant` eager | compile |
 packing). After the warm-up steps (compilation included) the timed steps run under the profiler;
 each kernel's own time (device time on a GPU, CPU time on a CPU) goes to the first category whose
@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "peers")]
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCHMARKS), *(str(d) for d in sorted(BENCHMARKS.glob("[a-z]*/")))]  # benchmarks/ and its groups
 
 # Category -> substrings of kernel / op names (lower case), matched in this order.
 CATEGORIES = {

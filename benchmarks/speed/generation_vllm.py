@@ -1,6 +1,6 @@
 """Rollouts/s of the reward stage's generation: the native KV-cache sampler vs vLLM, same model and prompts.
 
-    python benchmarks/scoring.py [--preset tiny] [--prompts 64] [--samples 4] [--new-tokens 32]
+    python benchmarks/speed/generation_vllm.py [--preset tiny] [--prompts 64] [--samples 4] [--new-tokens 32]
 
 A model of the preset (random init, sized to a BPE tokenizer trained on the built-in tasks) is
 written as an HF folder; both backends sample `--samples` completions for each of `--prompts`

