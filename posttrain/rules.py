@@ -8,6 +8,9 @@ wrong, or nothing; the caller names the key in its own context and reports or ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 def parallel_degrees_problem(cp: int, ep: int) -> str | None:
     """What no process count mends: degrees that do not combine."""
@@ -45,4 +48,38 @@ def optimizer_in_backward_problems(grad_accum: int = 1, max_grad_norm: float | N
     if rows is not None and micro_batch_size is not None and micro_batch_size < rows:
         problems.append(("micro_batch_size", f"{micro_batch_size}: memory.optimizer_in_backward steps during backward, "
                          f"so a step must be one micro-batch: at least {rows} (prompts per process x group_size)"))
+    return problems
+
+
+def batch_split_problem(stage: str, batch: int, accum: int, dp: int) -> str | None:
+    """A step's `batch` rows that do not split into `accum` micro-batches on each of `dp` data-parallel processes."""
+    if batch % (accum * dp):
+        return f"{batch} is not divisible by {stage}.grad_accum ({accum}) x {dp} data-parallel processes"
+    return None
+
+
+def prompt_split_problem(prompts: int, dp: int) -> str | None:
+    """GRPO's prompts of a step that do not split evenly over the data-parallel processes."""
+    if prompts % dp:
+        return f"{prompts} does not split over {dp} data-parallel processes"
+    return None
+
+
+def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What the grpo stage refuses of PPO (`grpo.advantage: gae`)."""
+    grpo, problems = cfg["grpo"], []
+    for key in ("tp", "cp", "ep"):
+        if cfg["parallel"][key] > 1:
+            problems.append((f"parallel.{key}", f"{cfg['parallel'][key]}: PPO (grpo.advantage: gae) shards its critic "
+                             "with data parallelism only; set it to 1"))
+    if grpo["ratio"] == "sequence":
+        problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
+    source = cfg["reward_model"]["source"]
+    if grpo["critic_init"] == "reward_model" and source is None:
+        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
+                         "or critic_init: policy"))
+    elif grpo["critic_init"] == "reward_model" and source != "train":
+        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
+                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
+                         "reward_model.source: train"))
     return problems

@@ -68,6 +68,7 @@ from posttrain.rl.critic import build_critic
 from posttrain.rl.prompts import eval_prompts, training_prompts
 from posttrain.rl.rollout import WorkerSpec
 from posttrain.rl.step import CriticBaseline, GRPOStep, GroupBaseline
+from posttrain.rules import ppo_problems, prompt_split_problem
 from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
@@ -89,15 +90,12 @@ def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reward", "reward_model"))
     cfg, grpo, args = run.cfg, run.section, run.args
     start = run.start_model()
-    if grpo["prompts_per_step"] % run.dp_size:
-        raise SettingError(f"grpo.prompts_per_step ({grpo['prompts_per_step']}) must be divisible by the "
-                         f"data-parallel processes ({run.dp_size})")
     ppo = grpo["advantage"] == "gae"
-    if ppo and any(cfg["parallel"][k] > 1 for k in ("tp", "cp", "ep")):
-        raise SettingError("grpo.advantage gae (PPO) shards its critic with data parallelism only: set parallel.tp, "
-                           "parallel.cp and parallel.ep to 1")
-    if ppo and grpo["ratio"] == "sequence":
-        raise SettingError("grpo.advantage gae gives one advantage per token; it takes grpo.ratio token, not sequence")
+    # The dry run's rules (posttrain.rules), for the processes this run was started as.
+    split = prompt_split_problem(grpo["prompts_per_step"], run.dp_size)
+    problems = ([("grpo.prompts_per_step", split)] if split else []) + (ppo_problems(cfg) if ppo else [])
+    if problems:
+        raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]
     hf_config = model_config(start, run.tokenizer)
     model = run.build_model(start, hf_config)

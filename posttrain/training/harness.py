@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.optim import Optimizer
 
+from posttrain.rules import batch_split_problem
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
@@ -119,12 +120,10 @@ class StageRun:
 
     def micro_batch_size(self) -> int:
         """Global rows per micro-batch (`batch_size / grad_accum`); refuses sizes that do not split evenly."""
-        batch, accum = int(self.section["batch_size"]), int(self.section["grad_accum"])
-        if batch % (accum * self.dp_size):
-            raise SettingError(
-                f"{self.stage}.batch_size ({batch}) must be divisible by {self.stage}.grad_accum ({accum}) "
-                f"x data-parallel processes ({self.dp_size})"
-            )
+        batch, accum = self.section["batch_size"], self.section["grad_accum"]
+        problem = batch_split_problem(self.stage, batch, accum, self.dp_size)  # the dry run's rule too
+        if problem:
+            raise SettingError(f"{self.stage}.batch_size: {problem}")
         return batch // accum
 
     def optimization(self, model: Transformer) -> Optimization:

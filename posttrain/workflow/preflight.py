@@ -43,7 +43,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from posttrain.rules import optimizer_in_backward_problems, parallel_degrees_problem, parallel_layout_problem
+from posttrain.rules import (
+    batch_split_problem,
+    optimizer_in_backward_problems,
+    parallel_degrees_problem,
+    parallel_layout_problem,
+    ppo_problems,
+    prompt_split_problem,
+)
 from posttrain.tokenizer import folder_chat_template
 from posttrain.workflow.inputs import code_search_path
 from posttrain.workflow.model_names import preset_names, supported_model_types
@@ -119,16 +126,16 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             problems += ppo_problems(cfg)
         rows = micro = None
         if stage == "grpo":
-            prompts, group = int(section["prompts_per_step"]), int(section["group_size"])
-            if prompts % dp:
-                problems.append(("grpo.prompts_per_step", f"{prompts} does not split over {dp} data-parallel processes"))
+            prompts, group = section["prompts_per_step"], section["group_size"]
+            split = prompt_split_problem(prompts, dp)
+            if split:
+                problems.append(("grpo.prompts_per_step", split))
             else:
-                rows, micro = prompts // dp * group, int(section["micro_batch_size"])
+                rows, micro = prompts // dp * group, section["micro_batch_size"]
         else:
-            batch, accum = int(section["batch_size"]), int(section["grad_accum"])
-            if batch % (accum * dp):
-                problems.append((f"{stage}.batch_size", f"{batch} is not divisible by {stage}.grad_accum ({accum}) x "
-                                 f"{dp} data-parallel processes"))
+            split = batch_split_problem(stage, section["batch_size"], section["grad_accum"], dp)
+            if split:
+                problems.append((f"{stage}.batch_size", split))
         if in_backward:
             problems += [(f"{stage}.{setting}", why) for setting, why in optimizer_in_backward_problems(
                 section.get("grad_accum", 1), section["max_grad_norm"], rows, micro)]
@@ -139,26 +146,6 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if cfg["grpo"]["rm_weight"] and rm["source"] is None:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
                          "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
-    return problems
-
-
-def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """What the grpo stage refuses of PPO (`grpo.advantage: gae`)."""
-    grpo, problems = cfg["grpo"], []
-    for key in ("tp", "cp", "ep"):
-        if cfg["parallel"][key] > 1:
-            problems.append((f"parallel.{key}", f"{cfg['parallel'][key]}: PPO (grpo.advantage: gae) shards its critic "
-                             "with data parallelism only; set it to 1"))
-    if grpo["ratio"] == "sequence":
-        problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
-    source = cfg["reward_model"]["source"]
-    if grpo["critic_init"] == "reward_model" and source is None:
-        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
-                         "or critic_init: policy"))
-    elif grpo["critic_init"] == "reward_model" and source != "train":
-        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
-                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
-                         "reward_model.source: train"))
     return problems
 
 
