@@ -51,7 +51,6 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -62,7 +61,7 @@ from posttrain.generation.backend import build_backend
 from posttrain.rewards import Rewards, VerifierError
 from posttrain.rewards.sample_rewards import add_reward_model_scores, verifier_rewards
 from posttrain.rewards.specs import pretrained_source
-from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass_rates
+from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass_rates, rollout_table
 from posttrain.training.faults import kill_if_requested, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.result_log import ResultLog
@@ -123,29 +122,6 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
             bar.update(len(chunk))
     done = [log.done[call] for call in range(len(starts))]
     return [t for d in done for t in d[0]], [lp for d in done for lp in d[1]], [r for d in done for r in d[2]]
-
-
-def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
-                  logprobs: list[list[float]], reasons: list[str], completions: list[str],
-                  components: list[dict[str, float]], totals: list[float], correct: list[bool], k: int, tok: Any,
-                  key: str | None) -> pd.DataFrame:
-    """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k)."""
-    rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
-    return pd.DataFrame({
-        "prompt_index": [i // k for i in range(len(tokens))],
-        "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
-        "sample": [i % k for i in range(len(tokens))],
-        "prompt": [rendered[i // k] for i in range(len(tokens))],
-        "completion": completions,
-        "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
-        "completion_ids": tokens,
-        "logprobs": logprobs,
-        "finish_reason": reasons,
-        **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
-        "reward": totals,
-        "correct": correct,
-        "policy_key": [key] * len(tokens),
-    })
 
 
 def main() -> None:

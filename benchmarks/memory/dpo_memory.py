@@ -41,7 +41,7 @@ BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
 import _memory
 from _memory import peak_memory
-from sft_memory import model_config  # the same model: Qwen3's vocabulary, hidden size 512
+from sft_memory import model_config, train_step  # the same model (Qwen3's vocabulary, hidden 512), the same step call
 
 MEMORY_OFF = {
     "activation_checkpointing": 0,
@@ -134,13 +134,6 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], pairs: int, seq: int, 
 def measured_step(state: dict[str, Any]) -> tuple[float, float]:
     """One training step; returns its loss and the process base recorded in setup."""
     return train_step(state), state["base_mib"]
-
-
-def train_step(state: dict[str, Any]) -> float:
-    """The DPO stage's step (`posttrain.dpo.step`) on the state's batch, then its optimizer step; the loss."""
-    record = state["step"]([state["batch"]])
-    state["optimization"].step(1, record["loss"])
-    return record["loss"]
 
 
 def main() -> None:

@@ -122,7 +122,8 @@ def setup(cfg: dict[str, Any], hf_config: dict[str, Any], seq: int, threads: int
 
 
 def train_step(state: dict[str, Any]) -> float:
-    """The SFT stage's step (`posttrain.sft.step`) on the state's batch, then its optimizer step; the loss."""
+    """The stage's step in `state` (SFT's `posttrain.sft.step`, DPO's `posttrain.dpo.step`) on the state's batch, then
+    its optimizer step; the loss."""
     record = state["step"]([state["batch"]])
     state["optimization"].step(1, record["loss"])
     return record["loss"]

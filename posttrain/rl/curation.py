@@ -1,4 +1,4 @@
-"""What the reward stage keeps of its scored samples: per-prompt pass rates, the prompts GRPO can learn from
+"""What the reward stage keeps of its scored samples: the rollout table, per-prompt pass rates, the prompts GRPO can learn from
 (pass rate inside the band), and on-policy pairs (best vs worst sample of a prompt)."""
 
 from __future__ import annotations
@@ -6,6 +6,31 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
+
+from posttrain.tokenizer import Tokenizer
+
+
+def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
+                  logprobs: list[list[float]], reasons: list[str], completions: list[str],
+                  components: list[dict[str, float]], totals: list[float], correct: list[bool], k: int, tok: Tokenizer,
+                  key: str | None) -> pd.DataFrame:
+    """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k)."""
+    rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
+    return pd.DataFrame({
+        "prompt_index": [i // k for i in range(len(tokens))],
+        "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
+        "sample": [i % k for i in range(len(tokens))],
+        "prompt": [rendered[i // k] for i in range(len(tokens))],
+        "completion": completions,
+        "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
+        "completion_ids": tokens,
+        "logprobs": logprobs,
+        "finish_reason": reasons,
+        **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
+        "reward": totals,
+        "correct": correct,
+        "policy_key": [key] * len(tokens),
+    })
 
 
 def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd.DataFrame:
