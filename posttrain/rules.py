@@ -8,7 +8,8 @@ wrong, or nothing; the caller names the key in its own context and reports or ra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib.util
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -83,3 +84,11 @@ def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                          f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
                          "reward_model.source: train"))
     return problems
+
+
+def lm_eval_problem(tasks: Sequence[str], optional: bool) -> str | None:
+    """lm-evaluation-harness tasks requested where the harness is not installed (unless `eval.lm_eval_optional`)."""
+    if tasks and not optional and importlib.util.find_spec("lm_eval") is None:
+        return (f"{list(tasks)}: lm-evaluation-harness is not installed (pip install 'posttrain[lm-eval]'); "
+                "or set eval.lm_eval_optional: true to skip them where they cannot run")
+    return None

@@ -42,7 +42,7 @@ from posttrain.model_files import load_hf_model, resolve_model_source
 from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
-from posttrain.evaluation.lm_eval import run_lm_eval
+from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
 from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
@@ -59,7 +59,7 @@ from posttrain.workflow.lineage import read_provenance, upstream_folder
 STAGE = "evaluate"
 # verifiers decide what counts as correct; model.policy is the base model (stage zero)
 READS = ("seed", "model.policy", "data.max_seq_len", "reward.verifiers", "eval.n_prompts", "eval.max_new_tokens",
-         "eval.pass_k", "eval.samples", "eval.temperature", "eval.lm_eval_tasks")
+         "eval.pass_k", "eval.samples", "eval.temperature", "eval.lm_eval_tasks", "eval.lm_eval_optional")
 INPUTS = {
     "data": "prepare_data output folder",
     "model": "model folder (HF layout with posttrain.json); absent: model.policy before training",
@@ -186,7 +186,8 @@ def main() -> None:
                                       args.reference, device))
 
     with atomic_dir(args.out) as out:
-        metrics["lm_eval"] = (run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type) if model_dir is not None
+        metrics["lm_eval"] = (run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type, optional=ev["lm_eval_optional"])
+                              if model_dir is not None
                               else {"skipped": f"{record['source']} is a preset's random init, with no folder to load"})
         if "skipped" in metrics["lm_eval"]:
             print(f"evaluate: lm-eval skipped: {metrics['lm_eval']['skipped']}")
@@ -206,4 +207,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(STAGE, main, extra_errors=(VerifierError,))
+    run_main(STAGE, main, extra_errors=(VerifierError, LmEvalError))

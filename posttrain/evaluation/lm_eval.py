@@ -1,9 +1,10 @@
 """Optional EleutherAI lm-evaluation-harness tasks on a model folder (the `lm-eval` extra).
 
 The harness runs in its own process (`python -m lm_eval`, its Hugging Face backend) so its
-dependencies and its hub downloads stay out of posttrain. Whenever it cannot run (not installed,
-task data unreachable, a crash) the result is ``{"skipped": reason}`` and the reason is printed:
-a requested benchmark is never silently missing.
+dependencies and its hub downloads stay out of posttrain. Requested tasks that cannot run (not
+installed: refused by the dry run already; task data unreachable, a crash) fail the stage with one
+line (`LmEvalError`), unless `eval.lm_eval_optional` is true: then the result is
+``{"skipped": reason}`` and the reason is printed. A requested benchmark is never silently missing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.rules import lm_eval_problem
+
 LOG_FILE = "lm_eval.log"
+
+
+class LmEvalError(RuntimeError):
+    """Requested lm-eval tasks that did not run, with `eval.lm_eval_optional` false."""
 
 
 def _last_line(path: Path) -> str:
@@ -26,13 +33,17 @@ def _last_line(path: Path) -> str:
 
 
 def run_lm_eval(model_dir: str | Path, tasks: Sequence[str], out_dir: str | Path, device: str,
-                batch_size: int = 8) -> dict[str, Any]:
+                batch_size: int = 8, optional: bool = True) -> dict[str, Any]:
     """Run the harness on `tasks`; its output goes to `out_dir/lm_eval.log`.
 
-    Returns ``{"tasks": [...], "results": {task: {metric: value}}}`` or ``{"skipped": reason}``.
+    Returns ``{"tasks": [...], "results": {task: {metric: value}}}``, or ``{"skipped": reason}`` when it
+    could not run and `optional`; raises `LmEvalError` when it could not and not `optional`.
     """
     if not tasks:
         return {"skipped": "eval.lm_eval_tasks is empty"}
+    missing = lm_eval_problem(tasks, optional)
+    if missing:
+        raise LmEvalError(f"eval.lm_eval_tasks: {missing}")
     if importlib.util.find_spec("lm_eval") is None:
         return {"skipped": "lm-evaluation-harness is not installed (pip install 'posttrain[lm-eval]')"}
     log = Path(out_dir) / LOG_FILE
@@ -45,6 +56,10 @@ def run_lm_eval(model_dir: str | Path, tasks: Sequence[str], out_dir: str | Path
         files = sorted(Path(tmp).rglob("results_*.json"))
         if status != 0 or not files:
             why = f"exited with status {status}" if status else "wrote no results file"
-            return {"skipped": f"lm-eval {why} (task data unreachable?); last line of {LOG_FILE}: {_last_line(log)}"}
+            reason = f"lm-eval {why} (task data unreachable?); last line of {LOG_FILE}: {_last_line(log)}"
+            if not optional:
+                raise LmEvalError(f"eval.lm_eval_tasks {list(tasks)}: {reason}; set eval.lm_eval_optional: true to "
+                                  "go on without them")
+            return {"skipped": reason}
         results = json.loads(files[-1].read_text())["results"]
     return {"tasks": list(tasks), "results": results}

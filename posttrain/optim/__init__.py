@@ -9,16 +9,17 @@ from posttrain.optim.optimizers import (
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
-from posttrain.optim.schedule import build_lr_scheduler, warmup_cosine_factor
+from posttrain.optim.schedule import SCHEDULES, build_lr_scheduler, lr_factor
 
 __all__ = [
     "LOW_BIT_OPTIMIZERS",
     "OptimizerInBackward",
+    "SCHEDULES",
     "build_lr_scheduler",
+    "lr_factor",
     "build_optimizer",
     "check_optimizer_in_backward",
     "clip_grad_norm_",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
-    "warmup_cosine_factor",
 ]

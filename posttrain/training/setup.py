@@ -128,10 +128,10 @@ def _add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] |
 def build_optimizer_and_scheduler(
     model: nn.Module, stage_cfg: Mapping[str, Any], memory_cfg: Mapping[str, Any]
 ) -> tuple[Optimizer, LRScheduler]:
-    """AdamW (per `memory`) over the trainable parameters and the warmup-cosine schedule of the stage.
+    """AdamW (per `memory`) over the trainable parameters and the learning-rate schedule of the stage.
 
     Reads `lr`, `weight_decay`, `grad_accum`, `max_grad_norm` (0 or null: no clipping),
-    `warmup_steps`, `steps`, `min_lr_ratio` from the stage's section.
+    `warmup_steps`, `steps`, `min_lr_ratio`, `schedule`, `decay_ratio` from the stage's section.
     """
     optimizer = build_optimizer(
         model,
@@ -146,6 +146,8 @@ def build_optimizer_and_scheduler(
         warmup_steps=int(stage_cfg.get("warmup_steps", 0)),
         total_steps=int(stage_cfg["steps"]),
         min_lr_ratio=float(stage_cfg.get("min_lr_ratio", 1.0)),
+        schedule=stage_cfg.get("schedule", "cosine"),
+        decay_ratio=float(stage_cfg.get("decay_ratio", 0.1)),
     )
     return optimizer, scheduler
 

@@ -45,6 +45,7 @@ from typing import Any
 
 from posttrain.rules import (
     batch_split_problem,
+    lm_eval_problem,
     optimizer_in_backward_problems,
     parallel_degrees_problem,
     parallel_layout_problem,
@@ -404,6 +405,9 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if template:
         problems.append(template)
     problems += reward_problems(cfg, code_search_path(REPO))
+    lm_eval = lm_eval_problem(cfg["eval"]["lm_eval_tasks"], cfg["eval"]["lm_eval_optional"])
+    if lm_eval:
+        problems.append(("eval.lm_eval_tasks", lm_eval))
     for i, spec in enumerate(cfg["data"]["sources"]):
         path = str(spec["path"])
         local = Path(path).expanduser()

@@ -18,7 +18,8 @@ from posttrain.model_files import load_hf_model
 from posttrain.data.loader import length_multiple, sft_batches
 from posttrain.data.store import load_split
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, mean_pass_at_k, pass_at_k, task_metrics
-from posttrain.evaluation.lm_eval import run_lm_eval
+from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
+from posttrain.workflow.schema import ConfigError, load_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import initial_model, model_config
 
@@ -77,7 +78,7 @@ def results(tmp_path_factory):
 
 def eval_config(root, name, model_stage, model_key, **eval_overrides):
     ev = {"n_prompts": 8, "max_new_tokens": 6, "pass_k": [1, 2], "samples": 3, "temperature": 1.0,
-          "lm_eval_tasks": [], **eval_overrides}
+          "lm_eval_tasks": [], "lm_eval_optional": False, **eval_overrides}
     upstream = {"prepare_data": DATA_KEY, **({model_stage: model_key} if model_stage else {})}
     cfg = {"stage": "evaluate", "key": name, "upstream": upstream, "seed": 0, "model": {"policy": "tiny"},
            "data": {"max_seq_len": 64}, "reward": {"verifiers": ["task", "format"]}, "eval": ev}
@@ -237,3 +238,19 @@ def test_lm_eval_results_and_skip_reasons(tmp_path, monkeypatch):
     assert "status 1" in failed["skipped"] and "ConnectionError" in failed["skipped"]
     assert "ConnectionError" in (tmp_path / "lm_eval.log").read_text()
     assert run_lm_eval(tmp_path, [], tmp_path, "cpu") == {"skipped": "eval.lm_eval_tasks is empty"}
+    # Not optional (the default): the same failure stops the stage with one line naming the key.
+    with pytest.raises(LmEvalError, match=r"eval\.lm_eval_tasks \['fail'\]: lm-eval exited with status 1.*lm_eval_optional"):
+        run_lm_eval(tmp_path, ["fail"], tmp_path, "cpu", optional=False)
+    assert run_lm_eval(tmp_path, ["toy"], tmp_path, "cpu", optional=False)["results"] == {"toy": {"acc,none": 0.25}}
+
+
+def test_lm_eval_tasks_without_the_harness_stop_the_dry_run_unless_optional(monkeypatch):
+    """Requested tasks where lm-eval is not installed: the dry run names the key; lm_eval_optional lets them skip."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"eval\.lm_eval_tasks: \['hellaswag'\]: lm-evaluation-harness is not installed"):
+        load_config(overrides={"eval": {"lm_eval_tasks": ["hellaswag"]}})
+    assert load_config(overrides={"eval": {"lm_eval_tasks": ["hellaswag"], "lm_eval_optional": True}})["eval"]["lm_eval_optional"]
+    with pytest.raises(LmEvalError, match="not installed"):
+        run_lm_eval(".", ["hellaswag"], ".", "cpu", optional=False)
+    assert "not installed" in run_lm_eval(".", ["hellaswag"], ".", "cpu", optional=True)["skipped"]

@@ -16,7 +16,7 @@ from posttrain.optim import (
     clip_grad_norm_,
     load_optimizer_state_dict,
     optimizer_state_dict,
-    warmup_cosine_factor,
+    lr_factor,
 )
 
 TINY = {
@@ -125,7 +125,7 @@ def test_warmup_cosine_schedule_shape():
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # monotone decay after warmup
     assert lrs[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))
     assert lrs[20:] == pytest.approx([0.1] * 5)  # floor at min_lr_ratio
-    assert warmup_cosine_factor(0, 0, 10, 0.0) == 1.0
+    assert lr_factor(0, 0, 10, 0.0) == 1.0
     with pytest.raises(ValueError, match="min_lr_ratio"):
         build_lr_scheduler(opt, 1, 10, 1.5)
 
@@ -171,3 +171,49 @@ def test_low_bit_optimizer_steps():
     state = opt.state[model[0].weight]
     moments = [v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == (256, 256)]
     assert len(moments) == 2 and all(type(v).__name__ == "OptimState4bit" for v in moments)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant", "wsd"])
+def test_each_schedule_warms_up_then_takes_its_shape(schedule):
+    """After 2 warmup steps, 10 more to the end at min_lr_ratio 0.2 (wsd decays over the last 30%)."""
+    model = make_model()
+    opt = build_optimizer(model, 1.0, 0.0, {})
+    sched = build_lr_scheduler(opt, warmup_steps=2, total_steps=12, min_lr_ratio=0.2, schedule=schedule,
+                               decay_ratio=0.3)
+    lrs = []
+    for _ in range(14):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
+    after = [(step - 2) / 10 for step in range(2, 14)]  # progress through the steps after warmup
+    expected = {
+        "linear": [1 - 0.8 * min(p, 1) for p in after],
+        "constant": [1.0] * 12,
+        "wsd": [1.0 if p <= 0.7 else 1 - 0.8 * (min(p, 1) - 0.7) / 0.3 for p in after],
+    }[schedule]
+    assert lrs[2:] == pytest.approx(expected)
+    assert lrs[-1] == pytest.approx(1.0 if schedule == "constant" else 0.2)  # where it ended, past the last step
+    if schedule == "wsd":
+        assert lrs[2:9] == pytest.approx([1.0] * 7) and lrs[10] < 1.0  # stable for 70% of the steps, then decays
+    with pytest.raises(ValueError, match="unknown schedule 'step'"):
+        build_lr_scheduler(opt, 1, 10, 0.1, schedule="step")
+
+
+def test_a_stage_section_names_its_schedule_and_the_schema_refuses_others():
+    from posttrain.training.setup import build_optimizer_and_scheduler
+    from posttrain.workflow.schema import ConfigError, load_config
+
+    cfg = load_config(overrides={"sft": {"schedule": "wsd", "decay_ratio": 0.5}})
+    assert all(cfg[s]["schedule"] == "cosine" for s in ("dpo", "grpo", "distill", "reward_model"))
+    sft = {**cfg["sft"], "steps": 10, "warmup_steps": 0, "min_lr_ratio": 0.0}
+    opt, sched = build_optimizer_and_scheduler(make_model(), sft, {})
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"] / sft["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:6] == pytest.approx([1.0] * 6) and lrs[6:] == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    with pytest.raises(ConfigError, match=r"dpo\.schedule"):
+        load_config(overrides={"dpo": {"schedule": "step"}})
+
