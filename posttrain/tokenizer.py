@@ -58,6 +58,28 @@ class TokenizerError(ValueError):
     """A tokenizer folder that cannot be used."""
 
 
+NAMED_TEMPLATES = {"chatml": CHATML_TEMPLATE}  # `model.chat_template` values that name a template, not a file
+
+
+def read_chat_template(value: str) -> str:
+    """The template `model.chat_template` names: one of `NAMED_TEMPLATES`, or a Jinja file's text."""
+    if value in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[value]
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise TokenizerError(f"model.chat_template: {value}: no such file (a Jinja template file, or one of "
+                             f"{', '.join(NAMED_TEMPLATES)})")
+    template = path.read_text(encoding="utf-8")
+    compile_chat_template(template)  # a syntax error names the file here, not at the first row
+    return template
+
+
+def set_chat_template(folder: str | Path, template: str) -> None:
+    """Make `template` the tokenizer folder's chat template: `chat_template.jinja`, which both this reader and
+    transformers take over the one in `tokenizer_config.json`."""
+    (Path(folder) / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` blocks (assistant-mask markers) render their body."""
 

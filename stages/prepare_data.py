@@ -39,13 +39,13 @@ from posttrain.data.tokenize import (
 )
 from posttrain.models import is_preset
 from posttrain.stage_config import load_stage_config, parse_inputs
-from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
+from posttrain.tokenizer import Tokenizer, read_chat_template, set_chat_template, train_bpe_tokenizer
 from posttrain.training.faults import run_main
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 
 STAGE = "prepare_data"
-READS = ("seed", "model.policy", "model.tokenizer", "data")
+READS = ("seed", "model.policy", "model.tokenizer", "model.chat_template", "data")
 INPUTS = {}  # the first stage: no upstream inputs, only --config and --out
 
 
@@ -85,12 +85,16 @@ def hold_out(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict
 
 
 def build_tokenizer(cfg: dict[str, Any], rows: dict[str, list[dict]], out: Path) -> Tokenizer:
-    """`model.tokenizer` if set, else the policy's: a BPE trained here for presets, the folder's otherwise."""
+    """`model.tokenizer` if set, else the policy's: a BPE trained here for presets, the folder's otherwise;
+    with `model.chat_template`, that template in place of its own."""
     model, data = cfg["model"], cfg["data"]
     source = model["tokenizer"] or model["policy"]
     if model["tokenizer"] is None and is_preset(model["policy"]):
-        return train_bpe_tokenizer(tokenizer_training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
-    Tokenizer(resolve_model_source(source)).save(out)
+        train_bpe_tokenizer(tokenizer_training_text(rows), data["vocab_size"], out, model_max_length=data["max_seq_len"])
+    else:
+        Tokenizer(resolve_model_source(source)).save(out)
+    if model["chat_template"]:  # every stage and output folder copies this tokenizer, template included
+        set_chat_template(out, read_chat_template(model["chat_template"]))
     return Tokenizer(out)
 
 

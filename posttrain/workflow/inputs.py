@@ -193,6 +193,9 @@ def user_inputs(stage: str, settings: Mapping[str, Any], hashes: ContentHashes, 
         record = model_record(model[name], hashes, presets, tokenizer_only=True) if name in model else None
         if record:
             out[f"model.{name}"] = record
+        template = model.get("chat_template")
+        if template and Path(template).expanduser().is_file():  # a file; a named template is in the code
+            out["model.chat_template"] = _local_record(Path(template).expanduser(), hashes)
     else:
         for name in MODEL_KEYS:
             record = model_record(model[name], hashes, presets) if name in model else None

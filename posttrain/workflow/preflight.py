@@ -52,7 +52,7 @@ from posttrain.rules import (
     ppo_problems,
     prompt_split_problem,
 )
-from posttrain.tokenizer import folder_chat_template
+from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
 from posttrain.workflow.inputs import code_search_path
 from posttrain.workflow.model_names import preset_names, supported_model_types
 
@@ -223,7 +223,14 @@ def _architecture_problem(source: str, config: Path) -> str | None:
 
 
 def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
-    """Data prep renders every row with the tokenizer's chat template: a folder without one is refused here."""
+    """Data prep renders every row with the tokenizer's chat template (or `model.chat_template`): a folder without
+    one, or a template file that is not there, is refused here."""
+    template = cfg["model"]["chat_template"]
+    if template:
+        if template in NAMED_TEMPLATES or Path(template).expanduser().is_file():
+            return None
+        return ("model.chat_template", f"{template}: no such file (a Jinja template file, relative to the working "
+                f"directory, or one of {', '.join(NAMED_TEMPLATES)})")
     key = "tokenizer" if cfg["model"]["tokenizer"] else "policy"
     source = cfg["model"][key]
     if source in preset_names():
@@ -236,8 +243,8 @@ def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
     if folder is None or folder_chat_template(folder) is not None:
         return None
     return (f"model.{key}", f"{source}: its tokenizer has no chat template (chat_template.jinja, chat_template.json or "
-            "tokenizer_config.json's chat_template), which data prep renders every row with; name a folder whose "
-            "tokenizer has one in model.tokenizer")
+            "tokenizer_config.json's chat_template), which data prep renders every row with; set model.chat_template "
+            "(a Jinja file, or chatml) or name a folder whose tokenizer has one in model.tokenizer")
 
 
 def _signature_problem(spec: Any, value: Any) -> str | None:
