@@ -40,7 +40,7 @@ Resume state, metrics and the HF output folder as in SFT.
 
 from __future__ import annotations
 
-from posttrain.data.loader import Batches, length_multiple, prompt_batches, sft_batches, to_device
+from posttrain.data.loader import Batches, eval_split_rows, length_multiple, prompt_batches, sft_batches, to_device
 from posttrain.distill import (
     SampledBatches,
     VocabularyMismatchError,
@@ -51,7 +51,7 @@ from posttrain.distill import (
     student_config,
 )
 from posttrain.distill.step import distill_step
-from posttrain.evaluation.greedy import first_eval_rows, model_greedy_accuracy
+from posttrain.evaluation.greedy import model_greedy_accuracy
 from posttrain.losses.head import OutputHead
 from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer
@@ -131,7 +131,10 @@ def main() -> None:
 
     # --- held-out divergence and greedy accuracy of teacher and student ---
     after = evaluate()
-    prompts_eval, examples = first_eval_rows(data_dir, distill["eval_prompts"], cfg["seed"])
+    held_out = eval_split_rows(data_dir, distill["eval_prompts"])
+    prompts_eval, examples = held_out["prompt_ids"], held_out["examples"]
+    if not prompts_eval:
+        raise ValueError(f"{data_dir}: the eval split is empty")
     accuracy = {role: model_greedy_accuracy(sampling_model(model, run.mesh), prompts_eval, examples, run.tokenizer, verifier,
                                       distill["max_new_tokens"], run.mesh, run.device)
                 for role, model in (("teacher", teacher), ("student", student))}

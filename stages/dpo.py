@@ -35,7 +35,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.loader import Batches, preference_batches, preference_collate, prompt_batches, to_device
+from posttrain.data.loader import Batches, preference_batches, preference_collate, eval_split_rows, to_device
 from posttrain.data.sources import DataError, canonical_rows, load_source
 from posttrain.data.store import Split
 from posttrain.data.tokenize import preference_split
@@ -86,11 +86,9 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
     return Batches(dataset, micro, preference_collate(tok.pad_id), seed=cfg["seed"], rank=rank, world_size=size), [Path(args.pairs)]
 
 
-def held_out_pairs(data_dir: str, tok: Tokenizer, max_len: int, seed: int) -> Split:
+def held_out_pairs(data_dir: str, tok: Tokenizer, max_len: int) -> Split:
     """Pairs of the `eval` split's rows that carry a reference and a rejected response (possibly none)."""
-    examples = [ex for batch in prompt_batches(data_dir, 256, seed=seed, split="eval", shuffle=False, loop=False)
-                for ex in batch["examples"]]
-    return Split.from_columns(eval_pairs(examples, tok, max_len))
+    return Split.from_columns(eval_pairs(eval_split_rows(data_dir)["examples"], tok, max_len))
 
 
 def main() -> None:
@@ -106,7 +104,7 @@ def main() -> None:
 
     micro = run.micro_batch_size()
     train, pair_files = training_pairs(args, cfg, run.tokenizer, micro, run.dp_rank, run.dp_size)
-    held_out = held_out_pairs(args.data, run.tokenizer, cfg["data"]["max_seq_len"], cfg["seed"])
+    held_out = held_out_pairs(args.data, run.tokenizer, cfg["data"]["max_seq_len"])
     optimization = run.optimization(model)
 
     precompute = uses_reference and dpo["reference"] == "precompute"

@@ -39,7 +39,7 @@ import torch
 
 from posttrain.training.faults import run_main
 from posttrain.model_files import load_hf_model, resolve_model_source
-from posttrain.data.loader import length_multiple, prompt_batches, sft_batches
+from posttrain.data.loader import eval_split_rows, length_multiple, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
 from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
@@ -69,14 +69,11 @@ SCORING_BATCH = 16  # rows per forward pass for NLL and preference pairs
 LOGGED_PROMPTS = 16  # prompts written to samples.jsonl
 
 
-def eval_rows(data_dir: Path, n: int, seed: int) -> list[dict[str, Any]]:
+def eval_rows(data_dir: Path, n: int) -> list[dict[str, Any]]:
     """The first `n` rows of the `eval` split, in data order: prompt ids, task, verifier example."""
-    rows: list[dict[str, Any]] = []
-    for batch in prompt_batches(data_dir, GENERATION_BATCH, seed=seed, split="eval", shuffle=False, loop=False):
-        for ids, task, example in zip(batch["prompt_ids"], batch["tasks"], batch["examples"]):
-            rows.append({"prompt_ids": ids, "task": task, "example": example})
-        if len(rows) >= n:
-            break
+    batch = eval_split_rows(data_dir, n)
+    rows = [{"prompt_ids": ids, "task": task, "example": example}
+            for ids, task, example in zip(batch["prompt_ids"], batch["tasks"], batch["examples"])]
     if not rows:
         raise ValueError(f"{data_dir}: the eval split is empty")
     if len(rows) < n:
@@ -152,7 +149,7 @@ def main() -> None:
 
     tok = Tokenizer(data_dir / "tokenizer")
     model, record, model_dir = evaluated_model(args.model, cfg, tok, device)
-    rows = eval_rows(data_dir, ev["n_prompts"], seed)
+    rows = eval_rows(data_dir, ev["n_prompts"])
     prompts = [r["prompt_ids"] for r in rows]
     examples = [r["example"] for r in rows]
 

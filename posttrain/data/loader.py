@@ -239,3 +239,11 @@ def prompt_batches(
     """Prompts for generation: ragged `prompt_ids`, `answers`, `tasks`, `examples`, `index`."""
     return Batches(load_split(data_dir, split), batch_size, prompt_collate, seed=seed, rank=rank,
                    world_size=world_size, shuffle=shuffle, loop=loop)
+
+
+def eval_split_rows(data_dir: str | Path, n: int | None = None) -> Batch:
+    """The first `n` rows (None: all) of the `eval` split, in data order, as one `prompt_batches` batch: the one
+    reader of the held-out prompts every stage measures on (greedy accuracy, pass@k, preference pairs)."""
+    split = load_split(data_dir, "eval")
+    index = np.arange(len(split) if n is None else min(n, len(split)))
+    return prompt_collate(split[index], index)

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from posttrain.data.loader import prompt_batches
 from posttrain.evaluation.task_metrics import is_correct
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import GenerationBackend, NativeBackend
@@ -19,14 +18,6 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.training.stats import data_parallel_sum
 
 GENERATION_BATCH = 64  # prompts per generate() call
-
-
-def first_eval_rows(data_dir: str, n: int, seed: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Prompt ids and verifier rows of the first `n` rows of the `eval` split, in data order."""
-    batch = next(prompt_batches(data_dir, n, seed=seed, split="eval", shuffle=False, loop=False), None)
-    if batch is None:
-        raise ValueError(f"{data_dir}: the eval split is empty")
-    return batch["prompt_ids"], batch["examples"]
 
 
 Judge = Callable[[list[str], list[list[int]], list[dict[str, Any]]], Sequence[bool]]

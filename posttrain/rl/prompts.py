@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from posttrain.data.loader import Batches, prompt_batches, prompt_collate
+from posttrain.data.loader import Batches, eval_split_rows, prompt_batches, prompt_collate
 from posttrain.data.store import Split
 from posttrain.rl.rollout import PromptBatch
 
@@ -33,6 +33,5 @@ def training_prompts(data_dir: str, reward_dir: str | None, batch_size: int, see
 
 def eval_prompts(data_dir: str, n: int, rank: int, world_size: int) -> PromptBatch:
     """This data-parallel rank's share of the first `n` rows of the `eval` split."""
-    batch = next(prompt_batches(data_dir, n, seed=0, split="eval", shuffle=False, loop=False))
-    prompts = PromptBatch.from_loader(batch)
+    prompts = PromptBatch.from_loader(eval_split_rows(data_dir, n))
     return PromptBatch(prompts.prompt_ids[rank::world_size], prompts.examples[rank::world_size], prompts.index[rank::world_size])

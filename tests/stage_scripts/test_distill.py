@@ -16,7 +16,8 @@ from distill_testing import distill_config, random_model_folder, run_distill
 from eval_fixtures import run_stage
 from posttrain.model_files import load_hf_model
 from posttrain.distill import VocabularyMismatchError, check_same_vocabulary, distill_loss, student_config
-from posttrain.evaluation.greedy import first_eval_rows, model_greedy_accuracy
+from posttrain.data.loader import eval_split_rows
+from posttrain.evaluation.greedy import model_greedy_accuracy
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.losses.head import OutputHead
 from posttrain.models import Transformer, document_positions, preset_config
@@ -278,7 +279,8 @@ def kd_against_labels(tmp: Path, data: Path, teacher: Path, seed: int, threads: 
         kd_run.result(), sft_run.result()
     summary = json.loads((tmp / "kd" / "posttrain.json").read_text())["metrics"]
     tok = Tokenizer(data / "tokenizer")
-    prompts, examples = first_eval_rows(str(data), kd_cfg["distill"]["eval_prompts"], kd_cfg["seed"])
+    held_out = eval_split_rows(data, kd_cfg["distill"]["eval_prompts"])
+    prompts, examples = held_out["prompt_ids"], held_out["examples"]
     labels_only = model_greedy_accuracy(load_hf_model(tmp / "sft-student"), prompts, examples, tok, "task",
                                         kd_cfg["distill"]["max_new_tokens"], None, torch.device("cpu"))
     return {"teacher": summary["teacher_accuracy"], "kd": summary["student_accuracy"], "labels_only": labels_only,
