@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 
 def parallel_degrees_problem(cp: int, ep: int) -> str | None:
@@ -66,23 +65,16 @@ def prompt_split_problem(prompts: int, dp: int) -> str | None:
     return None
 
 
-def ppo_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """What the grpo stage refuses of PPO (`grpo.advantage: gae`)."""
-    grpo, problems = cfg["grpo"], []
+def ppo_problems(parallel: Mapping[str, int], ratio: str) -> list[tuple[str, str]]:
+    """What PPO (`grpo.advantage: gae`) refuses of the layout and the ratio: its critic is sharded by data
+    parallelism only, and its advantages are per token."""
+    problems = []
     for key in ("tp", "cp", "ep"):
-        if cfg["parallel"][key] > 1:
-            problems.append((f"parallel.{key}", f"{cfg['parallel'][key]}: PPO (grpo.advantage: gae) shards its critic "
+        if parallel[key] > 1:
+            problems.append((f"parallel.{key}", f"{parallel[key]}: PPO (grpo.advantage: gae) shards its critic "
                              "with data parallelism only; set it to 1"))
-    if grpo["ratio"] == "sequence":
+    if ratio == "sequence":
         problems.append(("grpo.ratio", "sequence: PPO's advantages are per token; use token"))
-    source = cfg["reward_model"]["source"]
-    if grpo["critic_init"] == "reward_model" and source is None:
-        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
-                         "or critic_init: policy"))
-    elif grpo["critic_init"] == "reward_model" and source != "train":
-        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
-                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
-                         "reward_model.source: train"))
     return problems
 
 

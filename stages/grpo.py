@@ -93,7 +93,7 @@ def main() -> None:
     ppo = grpo["advantage"] == "gae"
     # The dry run's rules (posttrain.rules), for the processes this run was started as.
     split = prompt_split_problem(grpo["prompts_per_step"], run.dp_size)
-    problems = ([("grpo.prompts_per_step", split)] if split else []) + (ppo_problems(cfg) if ppo else [])
+    problems = ([("grpo.prompts_per_step", split)] if split else []) + (ppo_problems(cfg["parallel"], grpo["ratio"]) if ppo else [])
     if problems:
         raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]

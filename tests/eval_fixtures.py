@@ -41,7 +41,7 @@ def make_data(results: Path, monkeypatch, n_eval: int = 12) -> Path:
     """results/data/<DATA_KEY>: two built-in tasks, a BPE tokenizer, every split small."""
     cfg = {
         "stage": "prepare_data", "key": DATA_KEY, "upstream": {}, "seed": 0,
-        "model": {"policy": "tiny", "tokenizer": None},
+        "model": {"policy": "tiny", "tokenizer": None, "chat_template": None},
         "data": {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 2},
                            {"name": "sort", "length": 3, "max_value": 20}],
                  "n_sft": 60, "n_preference": 10, "n_prompts": 4, "n_eval": n_eval, "sources": [], "vocab_size": 300,

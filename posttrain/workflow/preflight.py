@@ -124,7 +124,7 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             continue
         dp = world // (tp * cp)
         if stage == "grpo" and section["advantage"] == "gae":
-            problems += ppo_problems(cfg)
+            problems += ppo_problems(cfg["parallel"], section["ratio"]) + critic_init_problems(cfg)
         rows = micro = None
         if stage == "grpo":
             prompts, group = section["prompts_per_step"], section["group_size"]
@@ -147,6 +147,20 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if cfg["grpo"]["rm_weight"] and rm["source"] is None:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
                          "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
+    return problems
+
+
+def critic_init_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """PPO's critic started from the reward model needs one the plan trains (the policy's tokenizer)."""
+    grpo, problems = cfg["grpo"], []
+    source = cfg["reward_model"]["source"]
+    if grpo["critic_init"] == "reward_model" and source is None:
+        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
+                         "or critic_init: policy"))
+    elif grpo["critic_init"] == "reward_model" and source != "train":
+        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
+                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
+                         "reward_model.source: train"))
     return problems
 
 
