@@ -18,11 +18,13 @@ import hashlib
 import itertools
 import operator
 import random
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from posttrain.data import reasoning_gym
 from posttrain.rewards.verifiers import final_answer_text
 
 SPLITS = ("sft", "preference", "prompts", "eval")
@@ -76,14 +78,19 @@ class Task(ABC):
     def wrong_answer(self, problem: Any, rng: random.Random) -> str:
         """A plausible mistake, always different from `answer`."""
 
-    def key(self, problem: Any) -> str:
-        return f"{self.name}:{self.canonical(problem)}"
+    @property
+    def label(self) -> str:
+        """The rows' `task` (what the `task` verifier dispatches on and the report groups by)."""
+        return self.name
 
-    def example(self, problem: Any, rng: random.Random) -> dict[str, str]:
+    def key(self, problem: Any) -> str:
+        return f"{self.label}:{self.canonical(problem)}"
+
+    def example(self, problem: Any, rng: random.Random) -> dict[str, Any]:
         answer, wrong = self.answer(problem), self.wrong_answer(problem, rng)
         return {
-            "id": f"{self.name}-{_digest(self.key(problem)).hex()[:12]}",
-            "task": self.name,
+            "id": f"{self.label}-{_digest(self.key(problem)).hex()[:12]}",
+            "task": self.label,
             "prompt": self.prompt(problem),
             "answer": answer,
             "response": final_answer_text(answer),
@@ -228,7 +235,68 @@ class Reverse(_ListTask):
         return list(reversed(values))
 
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Arithmetic, Sort, Reverse)}
+@dataclass
+class ReasoningGym(Task):
+    """Items 0..size-1 of a reasoning-gym generator (`posttrain.data.reasoning_gym`), its questions and answers.
+
+    Each row carries the item's spec (`reasoning_gym.SPEC_FIELD`) so the `reasoning_gym` verifier scores
+    it with the generator's own `score_answer`. A wrong answer (DPO's rejected) is the first of the
+    answer off by one or ten (numbers) or other items' answers that the scorer gives less than full credit.
+    """
+
+    name: ClassVar[str] = "reasoning_gym"
+    dataset: str = ""
+    size: int = 10_000
+    seed: int = 0
+    config: Mapping[str, Any] = field(default_factory=dict)
+    _items: dict[int, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _require_int("size", self.size, 1)
+        _require_int("seed", self.seed, 0)
+        problem = reasoning_gym.problem(self.dataset, self.config)
+        if problem:
+            raise ValueError(": ".join(problem))
+
+    @property
+    def label(self) -> str:
+        return reasoning_gym.TASK_PREFIX + self.dataset
+
+    def _spec(self, index: int) -> dict[str, Any]:
+        return reasoning_gym.spec(self.dataset, self.seed, self.size, self.config, index)
+
+    def problem(self, index: int) -> tuple[int, dict[str, Any]]:
+        if index not in self._items:  # drawing looks at each candidate twice
+            self._items[index] = reasoning_gym.item(self._spec(index))
+        return index, self._items[index]
+
+    def canonical(self, problem: tuple[int, dict[str, Any]]) -> str:
+        return problem[1]["question"]
+
+    def prompt(self, problem: tuple[int, dict[str, Any]]) -> str:
+        return problem[1]["question"]
+
+    def answer(self, problem: tuple[int, dict[str, Any]]) -> str:
+        return str(problem[1]["answer"])
+
+    def wrong_answer(self, problem: tuple[int, dict[str, Any]], rng: random.Random) -> str:
+        index, _ = problem
+        right = self.answer(problem)
+        candidates = []
+        if re.fullmatch(r"-?\d+", right):
+            candidates += [str(int(right) + d) for d in rng.sample([1, -1, 10, -10], 4)]
+        candidates += [self.answer(self.problem(rng.randrange(self.size))) for _ in range(16)]
+        for wrong in candidates:
+            if wrong != right and reasoning_gym.score_answer(wrong, self._spec(index)) < 1.0:
+                return wrong
+        raise ValueError(f"reasoning_gym {self.dataset}: item {index} has no wrong answer among {len(candidates)} tried "
+                         "(its scorer credits all of them); use it for SFT and RL only, without DPO pairs")
+
+    def example(self, problem: tuple[int, dict[str, Any]], rng: random.Random) -> dict[str, Any]:
+        return {**super().example(problem, rng), reasoning_gym.SPEC_FIELD: self._spec(problem[0])}
+
+
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Arithmetic, Sort, Reverse, ReasoningGym)}
 
 
 def build_task(cfg: Mapping[str, Any], where: str = "task") -> Task:
@@ -239,7 +307,7 @@ def build_task(cfg: Mapping[str, Any], where: str = "task") -> Task:
     if name not in TASKS:
         raise ValueError(f"{where}.name: unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
     cls = TASKS[name]
-    allowed = [f.name for f in fields(cls)]
+    allowed = [f.name for f in fields(cls) if f.init]
     for key in cfg:
         if key != "name" and key not in allowed:
             raise ValueError(f"{where}.{key}: unknown key for task {name!r}; allowed: name, {', '.join(allowed)}")

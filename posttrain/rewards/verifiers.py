@@ -16,7 +16,8 @@ Answer extraction, shared by the built-ins: the *marked* answer is the latest of
 ``#### X``, ``\\boxed{X}``, ``The answer is X`` / ``Answer: X`` in the text; the first number
 (or list) inside it counts. Without a marker, the last number (or list) in the text counts.
 A reference answer with a ``#### X`` line (GSM8K's worked solutions) is read as X (`reference_answer`).
-`math` compares the final answer with the reference by math-verify (LaTeX, fractions, sets, ...).
+`math` compares the final answer with the reference by math-verify (LaTeX, fractions, sets, ...);
+`reasoning_gym` scores a reasoning-gym task's row with its generator's own scorer (`task` does too).
 """
 
 from __future__ import annotations
@@ -187,12 +188,26 @@ def format_reward(completion: str, example: Mapping[str, Any]) -> float:
     return float(bool(_NUMBER.fullmatch(content) or _INT_RUN.fullmatch(content)))
 
 
+def reasoning_gym_match(completion: str, example: Mapping[str, Any]) -> float:
+    """The reasoning-gym generator's own `score_answer` (its value, partial credit included) on the completion's
+    answer (`reasoning_gym.extract`), for the item the row's `reasoning_gym` field names."""
+    from posttrain.data import reasoning_gym
+
+    spec = example.get(reasoning_gym.SPEC_FIELD)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"not a reasoning-gym row: no {reasoning_gym.SPEC_FIELD!r} field (rows of data.tasks "
+                         "{name: reasoning_gym, ...} carry it)")
+    return reasoning_gym.score_answer(reasoning_gym.extract(completion, extract_answer(completion)), spec)
+
+
 TASK_VERIFIERS: dict[str, Verifier] = {"arithmetic": number_match, "sort": list_match, "reverse": list_match}
 
 
 def task_verifier(completion: str, example: Mapping[str, Any]) -> float:
-    """The verifier of the row's own built-in task (``example['task']``)."""
+    """The verifier of the row's own built-in task (``example['task']``); a reasoning-gym task's is its scorer."""
     task = example.get("task")
+    if isinstance(task, str) and task.startswith("reasoning_gym/"):
+        return reasoning_gym_match(completion, example)
     if task not in TASK_VERIFIERS:
         raise ValueError(
             f"no built-in verifier for task {task!r} (built-in: {', '.join(sorted(TASK_VERIFIERS))}); "
@@ -265,6 +280,7 @@ VERIFIERS: dict[str, Verifier] = {
     "number": number_match,
     "list": list_match,
     "format": format_reward,
+    "reasoning_gym": reasoning_gym_match,
     **TASK_VERIFIERS,
 }
 assert set(VERIFIERS) == set(BUILTIN_VERIFIERS), "posttrain.rewards.specs.BUILTIN_VERIFIERS lists the built-ins"

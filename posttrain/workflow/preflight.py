@@ -14,6 +14,8 @@ config can break are checked here, for every variant, with the config key to cha
 - generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
 - the stage graph (`pipeline`): `distill.teacher_stage` listed before distill, `export.stage` listed, a
   first stage other than SFT started from a model (a folder or hub id), not a preset's random weights;
+- data: a reasoning-gym task names a generator that exists, with a config it accepts; every row of a local data
+  source (up to 64 MiB of files) reads as its kind, or the first bad one is named (file, row, field);
 - model and data sources: a local folder or file the config names exists; a hub model id, with
   `HF_HUB_OFFLINE` set, is in the local Hugging Face cache (hub datasets have caches of their own
   and are left to data prep); a bare model name is a preset (or a close one is suggested); a model
@@ -43,6 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from posttrain.data import reasoning_gym
 from posttrain.rules import (
     batch_split_problem,
     lm_eval_problem,
@@ -73,6 +76,7 @@ def reward_specs_module() -> ModuleType:
 
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+DRY_RUN_SOURCE_BYTES = 64 << 20  # local sources up to this size are read in the dry run; bigger ones by data prep
 
 
 def _processes(resources: Mapping[str, Any]) -> int:
@@ -286,6 +290,8 @@ def verifier_problem(entry: str | Mapping[str, Any], search: Sequence[str], work
             return f"{spec.name}: a built-in verifier scores one completion at a time; drop batched: true"
         if spec.name == "math" and importlib.util.find_spec("math_verify") is None:
             return "math: the math verifier needs the math-verify package (pip install math-verify==0.9.0)"
+        if spec.name == "reasoning_gym" and not reasoning_gym.installed():
+            return f"reasoning_gym: the verifier needs reasoning-gym: {reasoning_gym.INSTALL}"
         return None
     module_name, attr = spec.module, spec.attr
     if spec.is_file:
@@ -412,6 +418,39 @@ def reward_problems(cfg: Mapping[str, Any], search: Sequence[str]) -> list[tuple
     return problems
 
 
+def task_problems(tasks: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """A reasoning-gym task names a generator that exists, with a config it accepts (reasoning-gym installed)."""
+    problems = []
+    for i, task in enumerate(tasks):
+        if task.get("name") == "reasoning_gym":
+            problem = reasoning_gym.problem(task.get("dataset"), task.get("config", {}))
+            if problem:
+                problems.append((f"data.tasks[{i}].{problem[0]}", problem[1]))
+    return problems
+
+
+def _local_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def source_row_problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every row of a local data source (up to `DRY_RUN_SOURCE_BYTES` of files) read as its kind, as data prep
+    reads it: the first bad row (with `on_bad_row: error`) or a file that cannot be read, naming file, row and
+    field. Rendering with the chat template (tool calls) needs the tokenizer, and is data prep's check."""
+    from posttrain.data.sources import DataError, source_rows
+
+    problems = []
+    for i, source in enumerate(data["sources"]):
+        local = Path(str(source["path"])).expanduser()
+        if not local.exists() or _local_bytes(local) > DRY_RUN_SOURCE_BYTES:
+            continue  # a hub id (left to data prep), a missing path (path_problems), or too big to read twice
+        try:
+            source_rows(source, f"data.sources[{i}]", f"{i}", skip_bad=data["on_bad_row"] == "skip")
+        except DataError as err:
+            problems.append((f"data.sources[{i}]", str(err)))
+    return problems
+
+
 def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(config key, what is wrong) for each model, tokenizer, data source, reward function or reward model that
     cannot be found or used: a missing one, an architecture the model code does not build, a tokenizer without a
@@ -436,4 +475,4 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             problems.append((f"data.sources[{i}].path", f"{path}: no such file"))
         elif path.startswith((".", "/", "~")) and not local.exists():  # a file, or a save_to_disk / dataset folder
             problems.append((f"data.sources[{i}].path", f"{path}: no such file or folder"))
-    return problems
+    return problems + task_problems(cfg["data"]["tasks"]) + source_row_problems(cfg["data"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +83,15 @@ def test_missing_model_and_data_sources_are_named(tmp_path, monkeypatch):
     assert "model.policy: /nonexistent/model: no such folder" in text
     assert f"model.student: {tmp_path / 'student'}: no such folder" in text
     assert f"data.sources[0].path: {tmp_path / 'rows.jsonl'}: no such file" in text
-    folder = tmp_path / "saved"  # a datasets.save_to_disk folder, by an absolute path
+    import datasets
+
+    folder = tmp_path / "saved"  # a datasets.save_to_disk folder, by an absolute path: read, and its rows are good
+    datasets.Dataset.from_list([{"prompt": "Q", "completion": "A"}]).save_to_disk(str(folder))
     assert "data.sources" not in _problems(model={"policy": "/nonexistent/model"},
-                                           data={"sources": [{"path": str(folder.mkdir() or folder), "kind": "sft"}]})
+                                           data={"sources": [{"path": str(folder), "kind": "sft"}]})
+    empty = tmp_path / "empty"
+    assert f"data.sources[0]: data source {empty} (local dataset folder" in _problems(
+        data={"sources": [{"path": str(empty.mkdir() or empty), "kind": "sft"}]})
     assert f"data.sources[0].path: {tmp_path / 'gone'}: no such file or folder" in _problems(
         data={"sources": [{"path": str(tmp_path / "gone"), "kind": "sft"}]})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -139,13 +146,44 @@ BAD_INPUTS = {
     "architecture": ("model: {policy: mistral-7b}\n", "model.policy: mistral-7b: model_type 'mistral' is not supported"),
     "reward module": ("reward: {verifiers: ['no_such_module:score']}\n",
                       "reward.verifiers[0]: no_such_module:score: cannot import 'no_such_module'"),
+    "data row": ("data: {sources: [{kind: preference, path: pairs.jsonl}]}\n",
+                 "data.sources[0]: pairs.jsonl: row 1: field rejected is missing"),
 }
+GOOD_PAIR = {"prompt": "Q", "chosen": "A", "rejected": "B"}
+BAD_PAIRS = {  # a file whose row 1 is malformed -> what the dry run says of it
+    "missing field": ({"prompt": "Q", "chosen": "A"}, "row 1: field rejected is missing"),
+    "wrong type": ({"prompt": "Q", "chosen": "A", "rejected": 3},
+                   "row 1: field rejected must be a string or a non-empty list of messages, got int"),
+    "prompt not prefixing chosen": (
+        {"prompt": [{"role": "user", "content": "Q"}],
+         "chosen": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "A"}],
+         "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]},
+        "row 1: field chosen does not start with the prompt: its message 0 is user 'other', the prompt's is user 'Q'"),
+    "tool call not JSON": ({"prompt": "Q", "chosen": [{"role": "assistant", "content": None, "tool_calls": "call f"}],
+                           "rejected": "B"}, "row 1: field chosen message 0 tool_calls is a string but not JSON"),
+    "not JSON": ("{oops", "line 2: invalid JSON"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PAIRS)
+def test_a_dry_run_reads_local_rows_and_names_file_row_and_field(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    row, expected = BAD_PAIRS[name]
+    Path("pairs.jsonl").write_text(json.dumps(GOOD_PAIR) + "\n" + (row if isinstance(row, str) else json.dumps(row)) + "\n")
+    text = _problems(data={"sources": [{"kind": "preference", "path": "pairs.jsonl"}]})
+    lines = [line for line in text.splitlines() if "pairs.jsonl" in line]
+    assert len(lines) == 1 and "data.sources[0]: " in lines[0] and f"pairs.jsonl: {expected}" in lines[0], text
+    if name != "not JSON":  # a row data prep would skip is no problem with on_bad_row: skip
+        ok = copy.deepcopy(BASE)
+        ok["data"].update(sources=[{"kind": "preference", "path": "pairs.jsonl"}], on_bad_row="skip")
+        validate_config(ok)
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_a_dry_run_names_each_bad_input_in_one_line(name, tmp_path):
     """From a working directory of the user's own, as a researcher runs it: `snakemake -s <checkout>/Snakefile`."""
     _model_folder(tmp_path / "mistral-7b", "mistral")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(GOOD_PAIR) + "\n" + json.dumps({"prompt": "Q", "chosen": "A"}) + "\n")
     overlay, expected = BAD_INPUTS[name]
     (tmp_path / "overlay.yaml").write_text(overlay)
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"), "--configfile",

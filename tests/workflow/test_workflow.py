@@ -8,9 +8,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shlex
 import subprocess
 import textwrap
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -690,3 +692,9 @@ def test_environment_pins_agree():
     assert conda_pip.items() <= lock.items() and "torch" in conda_pip
     pyproject = (REPO / "pyproject.toml").read_text()
     assert f'"snakemake=={cpu["snakemake"]}"' in pyproject and f'"torch=={lock["torch"]}"' in pyproject
+    # every runtime dependency is in each cluster environment (a stage imports it: math-verify for `math`)
+    required = {re.split(r"[<>=!~\[ ;]", d)[0].lower().replace("_", "-")
+                for d in tomllib.loads(pyproject)["project"]["dependencies"]}
+    for name, env in (("envs/cpu.txt", cpu), ("envs/cuda-lock.txt", lock), ("envs/cuda.yaml", conda_pip)):
+        listed = {k.replace("_", "-") for k in env}
+        assert required - {"snakemake", "snakemake-executor-plugin-slurm"} <= listed | {"torch"}, (name, sorted(required - listed))
