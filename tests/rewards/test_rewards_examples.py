@@ -108,6 +108,19 @@ class GradedAnswers:
         return GenerationOutput(tokens, [[-1.0] * len(t) for t in tokens], ["stop"] * len(tokens))
 
 
+def _model_for(data: Path, cfg: dict[str, Any], stand_ins: dict[str, Any], tmp_path: Path) -> Path:
+    """The stand-in model, or for a preset policy a random one on the tokenizer data prep trained (a stand-in of
+    another vocabulary would read out of its embedding)."""
+    if not is_preset(cfg["model"]["policy"]):
+        return stand_ins["model"]
+    tok = Tokenizer(data / "tokenizer")
+    hf = preset_config(cfg["model"]["policy"], tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    torch.manual_seed(0)
+    save_hf_model(Transformer(hf).state_dict(), hf, tmp_path / "preset-model")
+    write_provenance(tmp_path / "preset-model", {"key": "stand-in", "upstream": {}}, "sft", 0.0, {})
+    return tmp_path / "preset-model"
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_shipped_example_plans_prepares_data_and_evaluates(name, stand_ins, tmp_path, monkeypatch):
     results = tmp_path / "results"
@@ -120,7 +133,7 @@ def test_shipped_example_plans_prepares_data_and_evaluates(name, stand_ins, tmp_
     if name == QWEN3:
         assert load_split(data, "eval").to_list()[0]["answer"].endswith("apples.\n#### 13")  # the worked solution, kept whole
         monkeypatch.setattr(posttrain.generation.backend, "NativeBackend", lambda *a, **k: GradedAnswers(data))
-    model = [] if stage == "base" else ["--model", stand_ins["model"]]
+    model = [] if stage == "base" else ["--model", _model_for(data, cfg, stand_ins, tmp_path)]
     out = run_job(job, ["--data", data, *model], monkeypatch)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["verifiers"] == cfg["reward"]["verifiers"] and metrics["n_prompts"] == min(4, COUNTS)
