@@ -78,6 +78,23 @@ def ppo_problems(parallel: Mapping[str, int], ratio: str) -> list[tuple[str, str
     return problems
 
 
+def adapter_problems(stage: str, method: str, save: str, tp: int, base_is_preset: bool) -> list[tuple[str, str]]:
+    """(config key, what is wrong) of a training stage's `method` and `save`: adapters are not sharded by tensor
+    parallelism; `save: adapter` needs adapters, and a base that a folder or the hub holds (a preset's random
+    weights are in no file an adapter could be applied to)."""
+    problems = []
+    if method != "full" and tp > 1:
+        problems.append((f"{stage}.method", f"{method}: tensor parallelism does not support LoRA/QLoRA adapters; "
+                         "set parallel.tp: 1 or method: full"))
+    if save == "adapter" and method == "full":
+        problems.append((f"{stage}.save", f"adapter: {stage}.method is full, which trains every weight and has no "
+                         "adapter to save alone; set method: lora or qlora, or save: merged"))
+    elif save == "adapter" and base_is_preset:
+        problems.append((f"{stage}.save", "adapter: the stage starts from a preset's random weights, which no folder "
+                         "holds for the adapter to apply to; set save: merged or both, or start from a model folder"))
+    return problems
+
+
 def lm_eval_problem(tasks: Sequence[str], optional: bool) -> str | None:
     """lm-evaluation-harness tasks requested where the harness is not installed (unless `eval.lm_eval_optional`)."""
     if tasks and not optional and importlib.util.find_spec("lm_eval") is None:

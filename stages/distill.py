@@ -8,7 +8,7 @@ Reads the config keys in `READS` (and its run settings: loggers, `distill.log_ev
 `distill.teacher_stage`, GRPO's by default), loaded frozen, in eval mode, run without gradients,
 and parallelized like the student (FSDP2 / TP) but given no optimizer. The student is
 `model.student`: a preset (random init, its vocabulary sized to the teacher's output), or an HF
-folder / hub id. Teacher, student and data must share one tokenizer and vocabulary; a mismatch
+folder / hub id, trained in full or with LoRA/QLoRA adapters (`distill.method`, `distill.lora`). Teacher, student and data must share one tokenizer and vocabulary; a mismatch
 stops the stage naming both sides.
 
 Loss (`posttrain.losses.kd.kd_loss`): `(1 - ce_weight) * D + ce_weight * CE` with D the `distill.loss`
@@ -84,7 +84,7 @@ def main() -> None:
     hf_config = student_config(cfg["model"]["student"], run.tokenizer, teacher_config)
     check_same_vocabulary(run.tokenizer, teacher_dir, teacher_config, cfg["model"]["student"], hf_config)
     teacher = run.frozen_model(str(teacher_dir), teacher_config)
-    student = run.build_model(cfg["model"]["student"], hf_config)
+    student = run.build_model(cfg["model"]["student"], hf_config, distill["method"], distill["lora"])
     optimization = run.optimization(student)
     heads = OutputHead(student, run.mesh, run.memory), OutputHead(teacher, run.mesh, run.memory)
 

@@ -2,8 +2,9 @@
 
     python stages/export.py --config RESOLVED.json --model MODEL_DIR [--eval EVAL_DIR ...] --out DIR
 
-Reads the config keys in `READS` (`export`). The model folder must hold merged weights (a LoRA run
-writes them merged; adapter tensors or a top-level adapter are refused). Output (written to a
+Reads the config keys in `READS` (`export`). The model folder holds merged weights (a LoRA run
+writes them merged with `save: both` or `merged`; adapter tensors among the weights, or an adapter beside
+them, are refused), or is adapter-only (`save: adapter`), which is merged into its base as it loads. Output (written to a
 temporary sibling and renamed when complete):
 
     config.json, model.safetensors (or shards)  weights in export.dtype
@@ -27,6 +28,7 @@ from safetensors import safe_open
 
 from posttrain.training.faults import run_main
 from posttrain.model_files import CheckpointError, load_hf_model, save_hf_model, weight_files
+from posttrain.model_files.hf import is_adapter_folder
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
 from posttrain.stage_config import load_stage_config, parse_inputs
@@ -43,7 +45,10 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def assert_merged(model_dir: Path) -> None:
-    """Refuse a folder whose weights are (or include) unmerged LoRA adapters."""
+    """Refuse a folder whose weights are (or include) unmerged LoRA adapters; an adapter-only folder (a stage's
+    `save: adapter`) is merged into its base as it loads."""
+    if is_adapter_folder(model_dir):
+        return
     for name in ADAPTER_FILES:
         if (model_dir / name).exists():
             raise CheckpointError(f"{model_dir / name}: an unmerged LoRA adapter; export needs a folder with merged weights")

@@ -31,7 +31,9 @@ Each step:
 3. `grpo.inner_epochs` passes over the rollouts, `grpo.micro_batch_size` completions per forward,
    one optimizer step per pass, PPO-clipped at `grpo.clip_eps`, token-level (DAPO) or
    per-sequence normalization (`grpo.token_level`), optional k3 KL to the frozen starting model
-   (`grpo.kl_coef` > 0; the reference is built and sharded like the policy).
+   (`grpo.kl_coef` > 0; the reference is built and sharded like the policy, or, with `grpo.method` lora or
+   qlora, is the policy with its adapters disabled: no second copy). The policy trains in full, or with
+   LoRA/QLoRA adapters (`grpo.lora`; the generators get the merged weights); PPO's critic trains in full.
    Old log-probs: the PPO ratio is taken against the trainer's own log-probs at the weights that
    start the step, which the first pass computes anyway (the ratio is exactly 1 there), so no
    extra forward is spent. The generator's log-probs enter only the truncated importance weight
@@ -98,12 +100,17 @@ def main() -> None:
         raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]
     hf_config = model_config(start, run.tokenizer)
-    model = run.build_model(start, hf_config)
-    reference = run.frozen_model(start, hf_config) if grpo["kl_coef"] > 0 else None
+    model = run.build_model(start, hf_config, grpo["method"], grpo["lora"])
     optimization = run.optimization(model)
     optimization.one_micro_batch(rows_per_rank, grpo["micro_batch_size"])
     head = OutputHead(model, run.mesh, run.memory)
-    ref_head = OutputHead(reference, run.mesh, run.memory) if reference is not None else None
+    # The KL reference: a frozen copy (full), or the policy itself, run with its adapters disabled (LoRA/QLoRA).
+    reference, ref_head = None, None
+    if grpo["kl_coef"] > 0 and grpo["method"] == "full":
+        reference = run.frozen_model(start, hf_config)
+        ref_head = OutputHead(reference, run.mesh, run.memory)
+    elif grpo["kl_coef"] > 0:
+        reference, ref_head = model, head
 
     # --- rollouts: generators (in this process, or Ray actors) fed by the reward stage's prompts ---
     spec = WorkerSpec(

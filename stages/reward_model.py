@@ -7,20 +7,22 @@ Reads the config keys in `READS` (and its run settings: loggers, `reward_model.l
 (`posttrain.rewards.reward_model`), the policy being the one GRPO starts from (`--model`, or
 `model.policy` when GRPO comes first in `pipeline`). A seeded `reward_model.held_out` share of the
 pairs is held out; each step takes `reward_model.batch_size` of the others and minimizes
--log sigmoid(r_chosen - r_rejected). Held-out pairwise accuracy (ties count as wrong) is measured
+-log sigmoid(r_chosen - r_rejected). The decoder trains in full or with LoRA/QLoRA adapters
+(`reward_model.method`, `reward_model.lora`); the new score head always trains in full and is saved with
+the adapter (PEFT's `modules_to_save`). Held-out pairwise accuracy (ties count as wrong) is measured
 before training, every `reward_model.eval_every` steps and at the last.
 
 Resume state lives in `<out>.resume/` (every `reward_model.checkpoint_every` steps and on SIGTERM,
 with the non-finite guard `reward_model.skip_nonfinite`); rerunning the same command continues
 from it. The output is a Hugging Face sequence-classification folder (`*ForSequenceClassification`,
 one label) that `transformers` scores exactly as the stage does, with the tokenizer,
-`metrics.jsonl` and `posttrain.json` (held-out accuracy before and after, pair counts).
+`metrics.jsonl` and `posttrain.json` (held-out accuracy before and after, pair counts); with adapters,
+what `reward_model.save` asks (`posttrain.training.final_model`: merged weights, the PEFT adapter
+(task type SEQ_CLS), or both).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from typing import Any
 
 import numpy as np
@@ -29,11 +31,10 @@ import torch
 from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import Split, load_split
 from posttrain.losses.bradley_terry import bradley_terry_loss
-from posttrain.rewards import RewardModel, load_reward_model, save_reward_model, scored_lengths
+from posttrain.rewards import RewardModel, load_reward_model, reward_model_config, scored_lengths
 from posttrain.training.faults import run_main
 from posttrain.training.harness import StageRun
-from posttrain.utils.io import atomic_dir
-from posttrain.utils.provenance import write_provenance
+from posttrain.training.setup import add_adapters
 
 STAGE = "reward_model"
 READS = ("seed", "model.policy", "model.dtype", "memory", "reward_model")
@@ -78,7 +79,10 @@ def split_pairs(run: StageRun) -> tuple[Split, Split]:
 def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",), one_process=True)
     section, pad_id, device = run.section, run.tokenizer.pad_id, run.device
-    model = load_reward_model(run.start_model(), device=device)
+    start = run.start_model()
+    run.check_adapters(section["method"], start)
+    model = load_reward_model(start, device=device)
+    add_adapters(model, section["method"], section["lora"], modules_to_save=("score",))
     pairs, held_out = split_pairs(run)
     train = Batches(pairs, section["batch_size"], preference_collate(pad_id), seed=run.cfg["seed"])
     optimization = run.optimization(model)
@@ -104,14 +108,7 @@ def main() -> None:
         "train_pairs": len(pairs),
         "held_out_pairs": len(held_out),
     }
-    run.metrics.close()
-    with atomic_dir(run.out) as out:
-        save_reward_model(model.eval(), out, pad_id, dtype=getattr(torch, run.cfg["model"]["dtype"]))
-        run.tokenizer.save(out)
-        shutil.copyfile(run.checkpointer.metrics_path, out / "metrics.jsonl")
-        write_provenance(out, run.cfg, STAGE, run.started, summary)
-    run.done()
-    print(json.dumps({"out": str(run.out), **summary}), flush=True)
+    run.finish(model.eval(), reward_model_config(model, pad_id), summary, base_model=start)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,8 @@ def parity_reward(completion: str, example: dict[str, Any]) -> float:
 def length_reward(completion: str, example: dict[str, Any]) -> float:
     """A verifier any random policy earns varied rewards from: shorter completions score higher."""
     return 1.0 / (1.0 + len(completion))
+
+
+def digit_reward(completion: str, example: dict[str, Any]) -> float:
+    """The share of digits in a completion: a random model's samples vary in it, and GRPO raises it in a few steps."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))

@@ -16,6 +16,7 @@ from posttrain.data.packing import build_rows
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, document_positions
+from posttrain.models.lora import merged_state_dict
 from posttrain.tokenizer import Tokenizer
 
 GENERATION_BATCH = 64  # prompts per generate() call
@@ -27,7 +28,8 @@ def sampling_model(model: Transformer, mesh: DeviceMesh | None, copy: Transforme
 
     One process: `model` itself. Under a mesh: an unsharded copy (`copy`, refreshed in place, or a
     new one), since each rank's decode loop runs a different number of steps and cannot follow
-    FSDP's collectives. Collective under a mesh (every rank gathers the full weights).
+    FSDP's collectives (a LoRA/QLoRA student's adapters merged into it). Collective under a mesh (every rank
+    gathers the full weights).
     """
     if mesh is None:
         return model
@@ -39,7 +41,7 @@ def sampling_model(model: Transformer, mesh: DeviceMesh | None, copy: Transforme
         copy.to_empty(device=device)
         copy.tie_weights()
         copy.init_weights(buffers_only=True)
-    load_state_into(copy, state, "distill: gathered weights")
+    load_state_into(copy, merged_state_dict(model, state), "distill: gathered weights")
     return copy.eval()
 
 

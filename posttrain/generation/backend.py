@@ -21,7 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from posttrain.model_files import load_hf_model, load_state_into, read_hf_config, read_safetensors, save_hf_model, weight_files
+from posttrain.model_files import load_hf_model, load_state_into, model_tensors, read_hf_config, save_hf_model
+from posttrain.model_files.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_folder
 from posttrain.generation.sampler import GenerationOutput, SamplingParams, generate
 from posttrain.models import Transformer
 
@@ -102,7 +103,7 @@ class NativeBackend:
     def update_weights(self, weights: Weights, version: int) -> None:
         _check_version(self.version, version)
         if isinstance(weights, (str, os.PathLike)):
-            tensors, source = read_safetensors(weight_files(Path(weights))), str(weights)
+            tensors, source = model_tensors(Path(weights)), str(weights)
         else:
             tensors, source = dict(weights), f"weights of policy version {version}"
         load_state_into(self.model, tensors, source)
@@ -164,6 +165,8 @@ class VLLMBackend:
         self._hf_config = read_hf_config(self.model_dir)  # a clear error for a folder that is not a model
         on_cpu = not torch.cuda.is_available()
         self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
+        if is_adapter_folder(self.model_dir):
+            self.model_dir = self._merged_copy(self.model_dir)
         if on_cpu:
             for key, value in _VLLM_CPU_ENV.items():
                 os.environ.setdefault(key, value)
@@ -188,6 +191,17 @@ class VLLMBackend:
             **engine_kwargs,
         )
         self.version = version
+
+    def _merged_copy(self, folder: Path) -> Path:
+        """An adapter-only folder (`save: adapter`) as a plain one for the engine: its base's weights with the
+        adapter merged, beside its config and tokenizer files (vLLM's own LoRA serving is not relied on)."""
+        merged = Path(self._tmp.name) / "merged"
+        save_hf_model(model_tensors(folder), self._hf_config, merged)
+        written = {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "config.json", "generation_config.json"}
+        for path in folder.iterdir():
+            if path.is_file() and path.name not in written:
+                shutil.copyfile(path, merged / path.name)
+        return merged
 
     def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
         if params.top_k is not None or params.top_p is not None:

@@ -1,7 +1,10 @@
 """Hugging Face folder interop: safetensors in, safetensors out, never pickle or remote code.
 
 A model source is a local HF folder or a hub id; a hub id goes through `snapshot_download`,
-which honours `HF_HUB_OFFLINE` and the local cache.
+which honours `HF_HUB_OFFLINE` and the local cache. A stage's adapter-only output (`<stage>.save:
+adapter`: `config.json` and a PEFT LoRA adapter, no model weights) is a source too: `model_tensors`
+reads its base (the adapter config's `base_model_name_or_path`, itself possibly adapter-only) and
+folds the adapter in, so every reader of a folder's weights gets merged weights.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from posttrain.models import Transformer
+from posttrain.models.lora import merge_peft_adapter
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # What a model folder needs; weights other than safetensors (pickles) are never fetched.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
@@ -80,6 +85,41 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no {SAFE_SINGLE} or {SAFE_INDEX}{hint}")
 
 
+def is_adapter_folder(folder: str | os.PathLike) -> bool:
+    """A PEFT adapter in place of model weights (a stage's `save: adapter` output)."""
+    folder = Path(folder)
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / SAFE_SINGLE).exists() and not (folder / SAFE_INDEX).exists()
+
+
+def adapter_base(folder: str | os.PathLike) -> str:
+    """The base model an adapter-only folder was trained on (its adapter config's `base_model_name_or_path`)."""
+    path = Path(folder) / ADAPTER_CONFIG
+    try:
+        base = json.loads(path.read_text()).get("base_model_name_or_path")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not base:
+        raise CheckpointError(f"{path}: names no base_model_name_or_path, so the adapter has no weights to apply to")
+    return str(base)
+
+
+def model_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every weight of a model folder, by HF name; an adapter-only folder's are its base's with the adapter merged.
+
+    The base is resolved like any model source (a folder, relative to the working directory as stage inputs
+    are, or a hub id).
+    """
+    folder = Path(folder)
+    if not is_adapter_folder(folder):
+        return read_safetensors(weight_files(folder))
+    base = resolve_model_source(adapter_base(folder))
+    adapter_config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    try:
+        return merge_peft_adapter(model_tensors(base), read_safetensors([folder / ADAPTER_WEIGHTS]), adapter_config)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{folder}: the adapter does not apply to its base {base}: {type(e).__name__}: {e}") from None
+
+
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
@@ -120,10 +160,11 @@ def load_hf_model(
     dtype: torch.dtype = torch.float32,
     revision: str | None = None,
 ) -> Transformer:
-    """Build the model from a folder's config.json on the meta device, then fill it from safetensors."""
+    """Build the model from a folder's config.json on the meta device, then fill it from safetensors
+    (an adapter-only folder: its base's, merged with the adapter)."""
     folder = resolve_model_source(source, revision)
     config = read_hf_config(folder)
-    tensors = read_safetensors(weight_files(folder))
+    tensors = model_tensors(folder)
     with torch.device("meta"):
         try:
             model = Transformer(config)
@@ -179,6 +220,15 @@ def save_hf_model(
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_hf_config(hf_config, out, dtype, generation_config)
+
+
+def write_hf_config(hf_config: dict[str, Any], out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    generation_config: dict[str, Any] | None = None) -> None:
+    """`config.json` and `generation_config.json` of a folder whose weights are `dtype` (or of an adapter-only
+    folder, whose base's architecture they describe)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     # The tensors written are dense: a source's `quantization_config` (a GGUF file's, say) would send
     # loaders (vLLM) looking for a quantization that is not there.
     config = {**{k: v for k, v in hf_config.items() if k != "quantization_config"},

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
+PEFT_PREFIX = "base_model.model."  # PEFT's names for the wrapped model's tensors
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -35,6 +37,7 @@ class LoRAConfig:
     dropout: float
     targets: tuple[str, ...]
     quantize_base: bool
+    modules_to_save: tuple[str, ...] = ()
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -111,15 +114,20 @@ def apply_lora(
     dropout: float = 0.0,
     targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     quantize_base: bool = False,
+    modules_to_save: Sequence[str] = (),
 ) -> nn.Module:
     """Freeze every parameter and wrap the `nn.Linear`s whose last name component is in `targets`.
 
     `quantize_base=True` is QLoRA (NF4 base weights): call it on a model holding its real
-    weights (load the checkpoint first), before `parallelize`.
+    weights (load the checkpoint first), before `parallelize`. `modules_to_save`: top-level
+    modules that stay fully trainable and are saved with the adapter (PEFT's `modules_to_save`:
+    the reward model's new `score` head, which no base holds).
     """
-    targets = tuple(targets)
+    targets, modules_to_save = tuple(targets), tuple(modules_to_save)
     for p in model.parameters():
         p.requires_grad_(False)
+    for name in modules_to_save:
+        model.get_submodule(name).requires_grad_(True)
     matched: set[str] = set()
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     for name, module in list(model.named_modules()):
@@ -134,7 +142,7 @@ def apply_lora(
     missing = [t for t in targets if t not in matched]
     if missing:
         raise ValueError(f"lora.targets: {missing} match no nn.Linear in the model")
-    model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), targets, quantize_base)
+    model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), targets, quantize_base, modules_to_save)
     return model
 
 
@@ -175,23 +183,49 @@ def merged_state_dict(
         return {}
     merged = {k: dequantize(v).detach() for k, v in state.items() if not k.endswith(LORA_KEYS)}
     for name, module in lora_modules(model):
-        a, b = state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]
-        weight = merged[f"{name}.weight"]
-        delta = (b.to(torch.float32) @ a.to(torch.float32)) * module.scale
-        merged[f"{name}.weight"] = (weight.to(torch.float32) + delta.to(weight.device)).to(weight.dtype)
+        merged[f"{name}.weight"] = fold_adapter(merged[f"{name}.weight"], state[f"{name}.lora_A.weight"],
+                                                state[f"{name}.lora_B.weight"], module.scale)
+    return merged
+
+
+def fold_adapter(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`W + scale * B @ A`, computed in float32 and returned in W's dtype: the one merge of a trained model and of a
+    saved adapter folder, so both give the same bits."""
+    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
+    return (weight.to(torch.float32) + delta.to(weight.device)).to(weight.dtype)
+
+
+def merge_peft_adapter(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor],
+                       adapter_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A base model's tensors with a PEFT LoRA adapter (`save_peft_adapter`'s files, read) folded in.
+
+    The adapter's `modules_to_save` tensors (a reward model's `score.weight`) replace or add to the base's.
+    """
+    if adapter_config.get("peft_type") != "LORA" or adapter_config.get("use_dora") or adapter_config.get("use_rslora"):
+        raise ValueError("only plain LoRA adapters (peft_type LORA, no DoRA, no rsLoRA) can be merged")
+    scale = float(adapter_config["lora_alpha"]) / int(adapter_config["r"])
+    merged = dict(base)
+    names = {k.removeprefix(PEFT_PREFIX) for k in adapter}
+    for key in sorted(names):
+        if key.endswith(LORA_KEYS[0]):
+            module = key.removesuffix(LORA_KEYS[0])
+            merged[f"{module}.weight"] = fold_adapter(base[f"{module}.weight"], adapter[PEFT_PREFIX + key],
+                                                      adapter[f"{PEFT_PREFIX}{module}{LORA_KEYS[1]}"], scale)
+        elif not key.endswith(LORA_KEYS[1]):
+            merged[key] = adapter[PEFT_PREFIX + key]
     return merged
 
 
 def adapter_state_dict(
     model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The adapter tensors under PEFT's names: `base_model.model.<module>.lora_A.weight`."""
+    """The adapter tensors under PEFT's names: `base_model.model.<module>.lora_A.weight`, and the whole
+    `modules_to_save` (`base_model.model.score.weight`)."""
     state = model.state_dict() if full_state_dict is None else full_state_dict
-    return {
-        f"base_model.model.{name}{suffix}": state[f"{name}{suffix}"].detach().cpu().contiguous()
-        for name, _ in lora_modules(model)
-        for suffix in LORA_KEYS
-    }
+    adapters = {f"{name}{suffix}" for name, _ in lora_modules(model) for suffix in LORA_KEYS}
+    saved = model.lora_config.modules_to_save
+    adapters |= {k for k in state if k.split(".", 1)[0] in saved}
+    return {PEFT_PREFIX + k: state[k].detach().cpu().contiguous() for k in sorted(adapters)}
 
 
 def save_peft_adapter(
@@ -199,11 +233,12 @@ def save_peft_adapter(
     out_dir: str | os.PathLike,
     base_model_name_or_path: str | None = None,
     full_state_dict: dict[str, torch.Tensor] | None = None,
+    task_type: str = "CAUSAL_LM",
 ) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors`, loadable by `peft.PeftModel`.
 
     PEFT is not needed here: the format is two files. Each is written to a temporary name and
-    renamed, so a reader never sees half a file.
+    renamed, so a reader never sees half a file. `task_type`: PEFT's (CAUSAL_LM, or SEQ_CLS for a reward model).
     """
     cfg: LoRAConfig | None = getattr(model, "lora_config", None)
     if cfg is None:
@@ -212,7 +247,7 @@ def save_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     adapter_config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
@@ -224,7 +259,7 @@ def save_peft_adapter(
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": list(cfg.modules_to_save) or None,
     }
     tmp_cfg, tmp_weights = out / "adapter_config.json.tmp", out / "adapter_model.safetensors.tmp"
     tmp_cfg.write_text(json.dumps(adapter_config, indent=2) + "\n")

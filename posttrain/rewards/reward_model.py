@@ -25,11 +25,10 @@ from torch import nn
 from posttrain.model_files import (
     CheckpointError,
     load_state_into,
+    model_tensors,
     read_hf_config,
-    read_safetensors,
     resolve_model_source,
     save_hf_model,
-    weight_files,
 )
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import Transformer
@@ -116,7 +115,7 @@ def load_reward_model(
     """
     folder = resolve_model_source(source)
     config = read_hf_config(folder)
-    tensors = read_safetensors(weight_files(folder))
+    tensors = model_tensors(folder)
     is_reward_model = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
     if is_reward_model and SCORE_KEY not in tensors:
         raise CheckpointError(f"{folder}: config.json declares a sequence-classification model but has no {SCORE_KEY!r}")
@@ -139,16 +138,20 @@ def load_reward_model(
 
 def save_reward_model(model: RewardModel, out_dir: str | os.PathLike, pad_token_id: int, dtype: torch.dtype = torch.float32) -> None:
     """Write the HF sequence-classification layout: config (`num_labels: 1`, `pad_token_id`) and safetensors."""
-    model_type = model.args.model_type
-    config = {
+    save_hf_model(model.state_dict(), reward_model_config(model, pad_token_id), Path(out_dir), dtype=dtype)
+
+
+def reward_model_config(model: RewardModel, pad_token_id: int) -> dict[str, Any]:
+    """The HF config of the sequence-classification layout (`num_labels: 1`, `pad_token_id`), which transformers
+    and vLLM read to score at the rightmost non-pad token."""
+    return {
         **model.hf_config,
-        "architectures": [SEQUENCE_CLASSIFICATION[model_type]],
+        "architectures": [SEQUENCE_CLASSIFICATION[model.args.model_type]],
         "num_labels": 1,
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
         "pad_token_id": int(pad_token_id),
     }
-    save_hf_model(model.state_dict(), config, Path(out_dir), dtype=dtype)
 
 
 # --- a pretrained reward model, and the scale of its scores -----------------------------------

@@ -26,6 +26,7 @@ from posttrain.losses.grpo import grpo_loss
 from posttrain.losses.head import OutputHead
 from posttrain.losses.ppo import gae, whiten
 from posttrain.models import Transformer
+from posttrain.models.lora import disable_adapters
 from posttrain.parallel import mesh_size
 from posttrain.rl.batch import MicroBatch, advantages, micro_batches
 from posttrain.rl.collection import StepBatch
@@ -203,8 +204,10 @@ class GRPOStep:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: MicroBatch) -> Tensor | None:
-        """The frozen starting model's token log-probs (for the KL term), or None without one."""
+        """The frozen starting model's token log-probs (for the KL term), or None without one; `reference` is a
+        frozen copy, or the policy itself, whose LoRA adapters are disabled for this forward."""
         if self.reference is None:
             return None
-        return self.ref_head.token_logprobs_and_entropy(self.reference(batch.input_ids), batch.targets, batch.mask,
-                                                       self.grpo["temperature"])[0]
+        with disable_adapters(self.reference):
+            return self.ref_head.token_logprobs_and_entropy(self.reference(batch.input_ids), batch.targets, batch.mask,
+                                                           self.grpo["temperature"])[0]

@@ -1,9 +1,15 @@
 """The final output of a model-producing stage: an HF folder that appears complete or not at all.
 
 Every rank takes part in gathering the (sharded) weights; rank 0 writes into a temporary sibling
-of `out` and renames it (`atomic_dir`): safetensors + `config.json` + `generation_config.json`,
-tokenizer files, `metrics.jsonl`, `posttrain.json`, and for LoRA/QLoRA the merged weights plus
-the adapters in PEFT format under `adapter/`.
+of `out` and renames it (`atomic_dir`): `config.json` + `generation_config.json`, tokenizer files,
+`metrics.jsonl`, `posttrain.json`, and the weights, by the stage's `save` for LoRA/QLoRA:
+
+- `both` (the default): the merged weights (safetensors) plus the adapters in PEFT format under `adapter/`;
+- `merged`: the merged weights alone;
+- `adapter`: the adapters alone, in PEFT format in the folder itself (`adapter_config.json` naming the base,
+  `adapter_model.safetensors`); readers of the folder (`model_files.model_tensors`) merge them into the base.
+
+Full fine-tuning writes the weights (`save` says nothing there; `adapter` is refused by `rules.adapter_save_problem`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from posttrain.model_files import save_hf_model
+from posttrain.model_files.hf import write_hf_config
 from posttrain.models.lora import merged_state_dict, save_peft_adapter
 from posttrain.parallel import barrier, gather_full_state_dict
 from posttrain.tokenizer import Tokenizer
@@ -38,22 +45,30 @@ def save_final_model(
     metrics_path: Path | None,
     is_main: bool,
     base_model: str | None = None,
+    save: str = "both",
 ) -> None:
     """Gather, merge adapters, and write the stage output `out` atomically (collective).
 
     `cfg` is the resolved config (its `stage`, `key`, `model.dtype` are used); `summary` goes
-    into `posttrain.json`; `base_model` names the adapters' base in `adapter/adapter_config.json`.
+    into `posttrain.json`; `base_model` names the adapters' base in their `adapter_config.json`;
+    `save` (merged | adapter | both) what a LoRA/QLoRA model writes. A `hf_config` of a sequence
+    classifier (the reward model) gives a PEFT adapter of task type SEQ_CLS.
     """
     full = gather_full_state_dict(model)
     if is_main:
         lora = getattr(model, "lora_config", None) is not None
-        state = merged_state_dict(model, full) if lora else full
         dtype = DTYPES[cfg["model"]["dtype"]]
+        classifier = any(a.endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
+        task_type = "SEQ_CLS" if classifier else "CAUSAL_LM"
         with atomic_dir(out) as tmp:
-            save_hf_model(state, hf_config, tmp, dtype=dtype)
+            if lora and save == "adapter":
+                write_hf_config(hf_config, tmp, dtype=dtype)
+                save_peft_adapter(model, tmp, base_model, full, task_type)
+            else:
+                save_hf_model(merged_state_dict(model, full) if lora else full, hf_config, tmp, dtype=dtype)
             tokenizer.save(tmp)
-            if lora:
-                save_peft_adapter(model, tmp / "adapter", base_model, full)
+            if lora and save == "both":
+                save_peft_adapter(model, tmp / "adapter", base_model, full, task_type)
             if metrics_path is not None and metrics_path.exists():
                 shutil.copyfile(metrics_path, tmp / "metrics.jsonl")
                 logs = metrics_path.parent / "logs"

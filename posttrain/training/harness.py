@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.optim import Optimizer
 
-from posttrain.rules import batch_split_problem
+from posttrain.rules import adapter_problems, batch_split_problem
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
@@ -64,7 +64,7 @@ class StageRun:
         """`one_process`: a stage that runs as one process (no mesh) and refuses to start under several;
         `training` False: a stage that trains nothing (reward scoring): no steps, no memory settings."""
         self.started = time.time()
-        self.stage = stage
+        self.stage, self.one_process = stage, one_process
         self.args = parse_inputs(stage, inputs, optional)
         self.out = Path(self.args.out)
         self.cfg = load_stage_config(self.args.config, reads, script)
@@ -111,12 +111,21 @@ class StageRun:
 
     def build_model(self, source: str | None, hf_config: dict[str, Any], method: str = "full",
                     lora: Mapping[str, Any] | None = None) -> Transformer:
-        """The trained model from `source` (a preset, an HF folder or a hub id), on this run's mesh."""
+        """The trained model from `source` (a preset, an HF folder or a hub id), on this run's mesh; refuses the
+        stage's `method` and `save` where the dry run would (`check_adapters`)."""
+        self.check_adapters(method, source)
         return build_model(source, hf_config, self.info, self.mesh, self.cfg, method, lora)
+
+    def check_adapters(self, method: str, source: str | None) -> None:
+        """The dry run's rule on `method` and `save` (`rules.adapter_problems`), for the source this run starts from."""
+        tp = 1 if self.one_process else int(self.cfg["parallel"]["tp"])
+        problems = adapter_problems(self.stage, method, self.section["save"], tp, source is None or is_preset(source))
+        if problems:
+            raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
 
     def frozen_model(self, source: str | None, hf_config: dict[str, Any]) -> Transformer:
         """A model that is only run (teacher, reference): no gradients, eval mode, sharded like the trained one."""
-        return self.build_model(source, hf_config).requires_grad_(False).eval()
+        return build_model(source, hf_config, self.info, self.mesh, self.cfg).requires_grad_(False).eval()
 
     def micro_batch_size(self) -> int:
         """Global rows per micro-batch (`batch_size / grad_accum`); refuses sizes that do not split evenly."""
@@ -213,11 +222,13 @@ class StageRun:
     # --- the end ---
 
     def finish(self, model: Transformer, hf_config: dict[str, Any], summary: dict[str, Any], base_model: str | None) -> None:
-        """Write the final HF folder (`base_model`: the adapters' base), drop the resume state, leave the process group."""
+        """Write the final HF folder (`base_model`: the adapters' base; what LoRA writes by the stage's `save`), drop
+        the resume state, leave the process group."""
         self.metrics.close()
         save_final_model(
             self.out, model, hf_config=hf_config, tokenizer=self.tokenizer, cfg=self.cfg, started=self.started,
             summary=summary, metrics_path=self.checkpointer.metrics_path, is_main=self.is_main, base_model=base_model,
+            save=self.section["save"],
         )
         self.done()
         if self.is_main:

@@ -98,11 +98,11 @@ def build_model(
     seed = int(cfg["seed"])
     if mesh is None or method == "qlora":
         model = initial_model(source, hf_config, seed).to(info.device)
-        _add_adapters(model, method, lora_cfg)
+        add_adapters(model, method, lora_cfg)
         return parallelize(model, mesh, cfg["memory"], cfg["parallel"])
     with torch.device("meta"):
         model = Transformer(hf_config)
-    _add_adapters(model, method, lora_cfg)
+    add_adapters(model, method, lora_cfg)
     parallelize(model, mesh, cfg["memory"], cfg["parallel"])
     materialize(model, info.device, init=False)
     state = initial_state(source, hf_config, seed) if info.is_main else {}
@@ -110,7 +110,10 @@ def build_model(
     return model
 
 
-def _add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] | None) -> None:
+def add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] | None,
+                 modules_to_save: tuple[str, ...] = ()) -> None:
+    """`method`'s adapters (none for full) from a stage's `lora` section; `modules_to_save` stay trainable and
+    are saved with the adapter (the reward model's score head)."""
     if method == "full":
         return
     if not lora_cfg:
@@ -122,6 +125,7 @@ def _add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] |
         dropout=float(lora_cfg.get("dropout", 0.0)),
         targets=tuple(lora_cfg["targets"]),
         quantize_base=method == "qlora",
+        modules_to_save=modules_to_save,
     )
 
 

@@ -8,7 +8,8 @@ config can break are checked here, for every variant, with the config key to cha
   divides them; `parallel.ep` divides the FSDP shards and does not combine with `cp`;
 - optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
   one micro-batch;
-- tensor parallelism without LoRA/QLoRA adapters;
+- LoRA/QLoRA adapters without tensor parallelism; `save: adapter` with adapters and a base held in a folder or the
+  hub (not a preset's random weights);
 - PPO (`grpo.advantage: gae`): data parallelism only (no tp, cp or ep), a token-level ratio, a reward model to start the critic
   from when `grpo.critic_init` asks; KTO (`dpo.loss: kto`) on the offline unpaired split;
 - generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
@@ -47,6 +48,7 @@ from typing import Any
 
 from posttrain.data import reasoning_gym
 from posttrain.rules import (
+    adapter_problems,
     batch_split_problem,
     lm_eval_problem,
     optimizer_in_backward_problems,
@@ -75,6 +77,7 @@ def reward_specs_module() -> ModuleType:
 
 
 TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
+ADAPTER_SECTIONS = (*TRAINING_SECTIONS, "reward_model")  # the stages with `method`, `lora` and `save`
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 DRY_RUN_SOURCE_BYTES = 64 << 20  # local sources up to this size are read in the dry run; bigger ones by data prep
 
@@ -114,11 +117,13 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
         problems.append(("dpo.pairs", f"{cfg['dpo']['pairs']}: KTO (dpo.loss: kto) trains on the prepared unpaired "
                          "split; set dpo.pairs: offline"))
+    for stage in ADAPTER_SECTIONS:
+        if stage != "reward_model" or cfg["reward_model"]["source"] == "train":
+            # the reward model trains as one process: no tensor parallelism
+            problems += adapter_problems(stage, cfg[stage]["method"], cfg[stage]["save"],
+                                         1 if stage == "reward_model" else tp, _starts_from_preset(cfg, stage))
     for stage in TRAINING_SECTIONS:
         section = cfg[stage]
-        if tp > 1 and section.get("method", "full") != "full":
-            problems.append((f"{stage}.method", f"{section['method']}: tensor parallelism does not support LoRA/QLoRA "
-                             "adapters; set parallel.tp: 1 or method: full"))
         world = _processes(section["resources"])
         if world < 1 or degrees:
             continue  # said by generator_node_problems, or above
@@ -152,6 +157,16 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
                          "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
     return problems
+
+
+def _starts_from_preset(cfg: Mapping[str, Any], stage: str) -> bool:
+    """Whether `stage` starts from a preset's random weights: distillation's student, the first stage of `pipeline`
+    (the reward model: GRPO's start) from `model.policy`."""
+    if stage == "distill":
+        return cfg["model"]["student"] in preset_names()
+    pipeline = list(cfg["pipeline"])
+    at = "grpo" if stage == "reward_model" else stage
+    return (at not in pipeline or pipeline.index(at) == 0) and cfg["model"]["policy"] in preset_names()
 
 
 def critic_init_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
