@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def parallel_degrees_problem(cp: int, ep: int) -> str | None:
@@ -101,3 +102,43 @@ def lm_eval_problem(tasks: Sequence[str], optional: bool) -> str | None:
         return (f"{list(tasks)}: lm-evaluation-harness is not installed (pip install 'posttrain[lm-eval]'); "
                 "or set eval.lm_eval_optional: true to skip them where they cannot run")
     return None
+
+
+# What each training stage's held-out evaluation returns (the keys it logs), and which way is better; the first
+# is the stage's default selection metric (`<stage>.metric: null`).
+HELD_OUT_METRICS: dict[str, dict[str, str]] = {
+    "sft": {"eval_loss": "min"},
+    "dpo": {"eval_pref_acc": "max", "eval_pref_margin": "max", "eval_likelihood_acc": "max"},
+    "grpo": {"eval_accuracy": "max"},
+    "distill": {"eval_divergence": "min", "eval_ce": "min"},
+    "reward_model": {"held_out_accuracy": "max"},
+}
+
+
+def held_out_metric(stage: str, metric: str | None) -> tuple[str, str]:
+    """(metric, "min" | "max") that `keep: best` and early stopping compare; KeyError names the choices."""
+    metrics = HELD_OUT_METRICS[stage]
+    name = metric if metric is not None else next(iter(metrics))
+    if name not in metrics:
+        raise KeyError(f"{name!r} is not what {stage}'s evaluation measures; choose from {', '.join(metrics)}")
+    return name, metrics[name]
+
+
+def selection_problems(stage: str, section: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(config key, what is wrong) of a stage's evaluation during training: `keep: best` and early stopping compare
+    evaluations, so they need `eval_every`; the metric is one the stage's evaluation returns."""
+    problems = []
+    every = int(section.get("eval_every", 0))
+    patience = int((section.get("early_stopping") or {}).get("patience", 0))
+    for key, wants in (("keep", section.get("keep") == "best"), ("early_stopping.patience", patience > 0)):
+        if wants and every == 0:
+            problems.append((f"{stage}.{key}", f"compares evaluations during training: set {stage}.eval_every "
+                             "(steps between them) above 0"))
+    if every > int(section["steps"]):
+        problems.append((f"{stage}.eval_every", f"{every} is more than {stage}.steps ({section['steps']}): "
+                         "the stage would evaluate only after training"))
+    try:
+        held_out_metric(stage, section.get("metric"))
+    except KeyError as err:
+        problems.append((f"{stage}.metric", str(err.args[0])))
+    return problems

@@ -34,7 +34,8 @@ Data (`distill.data`):
 
 At the end, greedy accuracy on the first `distill.eval_prompts` rows of the `eval` split is measured
 for teacher and student (by the first of `reward.verifiers`, as `evaluate` counts it), and the
-held-out divergence on `sft_eval` before and after training; all go to the `posttrain.json` summary.
+held-out divergence on `sft_eval` before and after training (and every `distill.eval_every` steps, for
+`keep: best` and early stopping); all go to the `posttrain.json` summary.
 Resume state, metrics and the HF output folder as in SFT.
 """
 
@@ -110,7 +111,7 @@ def main() -> None:
         return {"eval_divergence": means["kd/divergence"], "eval_ce": means["kd/ce"]}
 
     run.resume(student, optimization, train)
-    before = run.measure_before(lambda: {"eval_divergence": evaluate()["eval_divergence"]})
+    before = run.measure_before(evaluate)
 
     train_step = distill_step(student, heads[0], teacher, heads[1], distill, ce_weight, optimization, run.mesh,
                               run.device, run.tokenizer.pad_id)
@@ -130,7 +131,7 @@ def main() -> None:
         run.log_step(record, postfix={"loss": ".4f", "divergence": ".4f"}, tokens=useful)
 
     # --- held-out divergence and greedy accuracy of teacher and student ---
-    after = evaluate()
+    after = run.final_evaluation()
     held_out = eval_split_rows(data_dir, distill["eval_prompts"])
     prompts_eval, examples = held_out["prompt_ids"], held_out["examples"]
     if not prompts_eval:
@@ -138,7 +139,7 @@ def main() -> None:
     accuracy = {role: model_greedy_accuracy(sampling_model(model, run.mesh), prompts_eval, examples, run.tokenizer, verifier,
                                       distill["max_new_tokens"], run.mesh, run.device)
                 for role, model in (("teacher", teacher), ("student", student))}
-    run.log(run.total_steps, {**after, "teacher_accuracy": accuracy["teacher"], "student_accuracy": accuracy["student"]})
+    run.log(run.final_step, {"teacher_accuracy": accuracy["teacher"], "student_accuracy": accuracy["student"]})
     summary = {
         "teacher_accuracy": accuracy["teacher"],
         "student_accuracy": accuracy["student"],
@@ -149,7 +150,6 @@ def main() -> None:
         "eval_divergence_after": after["eval_divergence"],
         "eval_ce_after": after["eval_ce"],
         "train_loss_last": record["loss"],
-        "steps": run.total_steps,
         "teacher": str(teacher_dir),
         "teacher_params": parameter_count(teacher_config),
         "student_params": parameter_count(hf_config),

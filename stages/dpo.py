@@ -25,7 +25,8 @@ Held-out pairs come from the `eval` split (each task's answer vs. its plausible 
 training the starting model's likelihood ranking of them is measured (`likelihood_acc_sft`: share of
 pairs whose chosen completion it finds more likely, per token for IPO/SimPO); after training the
 DPO model's implicit-reward accuracy (`pref_acc`) and its own likelihood ranking
-(`likelihood_acc`). Resume state lives in `<out>.resume/`; rerunning the same command continues
+(`likelihood_acc`); every `dpo.eval_every` steps too (`eval_pref_acc`, ... in `metrics.jsonl`: `keep: best`
+and early stopping compare them). Resume state lives in `<out>.resume/`; rerunning the same command continues
 from it. The output is an HF model folder with `metrics.jsonl` and `posttrain.json`.
 """
 
@@ -45,7 +46,7 @@ from posttrain.evaluation import eval_pairs
 from posttrain.losses.dpo import REFERENCE_FREE, UNPAIRED
 from posttrain.losses.head import OutputHead
 from posttrain.tokenizer import Tokenizer
-from posttrain.training.faults import run_main
+from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
 
@@ -120,9 +121,22 @@ def main() -> None:
     elif uses_reference:
         reference = OnlineReference(model, head)  # LoRA/QLoRA: the policy with its adapters disabled
 
+    def evaluate() -> dict[str, float]:
+        """Held-out pairs: implicit-reward accuracy and margin against the reference, and likelihood accuracy."""
+        if held_out_ref is None:
+            return {}
+        policy = score_pairs(model, head, held_out, train.collate, micro // run.dp_size, run.device, "held-out pairs",
+                             run.is_main)
+        _, pair_metrics = pair_loss(dpo, policy, (held_out_ref.chosen, held_out_ref.rejected) if uses_reference else None)
+        return {"eval_pref_acc": float(pair_metrics["rewards/accuracy"]),
+                "eval_pref_margin": float(pair_metrics["rewards/margin"]),
+                "eval_likelihood_acc": likelihood_accuracy(policy, per_token)}
+
+    if held_out_ref is None and run.eval_every:
+        raise SettingError(f"dpo.eval_every: {args.data}: no eval row carries response and rejected_response, "
+                           "so there is nothing to evaluate during training; set dpo.eval_every: 0")
     run.resume(model, optimization, train)
-    before = run.measure_before(lambda: {} if held_out_ref is None else {
-        "eval/likelihood_acc": likelihood_accuracy(held_out_ref, per_token)})
+    before = run.measure_before(evaluate)
 
     train_step = preference_step(dpo, model, head, reference, optimization, run.mesh, run.device, run.tokenizer.pad_id)
     record: dict[str, Any] = {}
@@ -132,16 +146,12 @@ def main() -> None:
         record.update(optimization.step(step, record["loss"]))
         run.log_step(record, postfix={"loss": ".4f", "rewards/accuracy": ".2f"}, tokens=useful)
 
-    summary: dict[str, Any] = {"steps": run.total_steps, "reference": dpo["reference"] if uses_reference else None,
+    after = run.final_evaluation()
+    summary: dict[str, Any] = {"reference": dpo["reference"] if uses_reference else None,
                                "train_loss_last": record.get("loss"), "train_reward_acc_last": record.get("rewards/accuracy")}
     if held_out_ref is not None:
-        policy = score_pairs(model, head, held_out, train.collate, micro // run.dp_size, run.device, "held-out pairs",
-                             run.is_main)
-        _, pair_metrics = pair_loss(dpo, policy, (held_out_ref.chosen, held_out_ref.rejected) if uses_reference else None)
-        evaluation = {"pref_acc": float(pair_metrics["rewards/accuracy"]), "pref_margin": float(pair_metrics["rewards/margin"]),
-                      "likelihood_acc": likelihood_accuracy(policy, per_token)}
-        run.log(run.total_steps, {f"eval/{k}": v for k, v in evaluation.items()})
-        summary.update(evaluation, likelihood_acc_sft=before["eval/likelihood_acc"], pref_pairs=len(held_out))
+        summary.update({k.removeprefix("eval_"): v for k, v in after.items()},
+                       likelihood_acc_sft=before["eval_likelihood_acc"], pref_pairs=len(held_out))
     else:
         summary.update(pref_acc=None, pref_acc_note=f"{args.data}: no eval row carries response and rejected_response")
     run.finish(model, hf_config, summary, base_model=start)

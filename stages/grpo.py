@@ -43,7 +43,8 @@ Each step:
    with is logged next to the trainer's: `policy_version`, `generator_version`, `staleness`).
 
 Greedy accuracy on the first `grpo.eval_prompts` rows of the `eval` split is measured before and
-after training (`posttrain.json` summary: `eval_accuracy_before`, `eval_accuracy_after`). Resume
+after training (`posttrain.json` summary: `eval_accuracy_before`, `eval_accuracy_after`), and every
+`grpo.eval_every` steps (`keep: best`, early stopping: `posttrain.training.selection`). Resume
 state lives in `<out>.resume/` (every `grpo.checkpoint_every` steps and on SIGTERM) and holds the
 policy version and the prompt feed position; rerunning the same command continues from it and
 ends with the uninterrupted run's weights and per-step metrics, bitwise. An async run's checkpoint
@@ -153,11 +154,10 @@ def main() -> None:
             history.append(record)
             run.log_step(record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
         collected = collection.summary()
-    after = collection.held_out_accuracy(held_out)
-    run.log(run.total_steps, {"eval_accuracy": after, "policy_version": collection.version})
+    after = run.final_evaluation()  # the generators stopped
     summary = {
-        "eval_accuracy_before": before["eval_accuracy"], "eval_accuracy_after": after,
-        "eval_prompts": grpo["eval_prompts"], "steps": run.total_steps, "mode": grpo["mode"],
+        "eval_accuracy_before": before["eval_accuracy"], "eval_accuracy_after": after["eval_accuracy"],
+        "eval_prompts": grpo["eval_prompts"], "mode": grpo["mode"],
         "backend": grpo["backend"], "policy_version": collection.version,
     }
     summary.update(collected)

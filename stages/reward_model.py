@@ -96,15 +96,13 @@ def main() -> None:
         optimization.backward(loss)
         record = {"loss": loss.item(), **{k: v.item() for k, v in stats.items()}}
         record.update(optimization.step(step, record["loss"]))
-        if step % section["eval_every"] == 0 or step == run.total_steps:
-            record["held_out_accuracy"] = pairwise_accuracy(model, held_out, pad_id, device)
         run.log_step(record)
+    after = run.final_evaluation()
 
     summary = {
         "held_out_accuracy_before": before["held_out_accuracy"],
-        "held_out_accuracy": record["held_out_accuracy"],
+        "held_out_accuracy": after["held_out_accuracy"],
         "train_loss_last": record["loss"],
-        "steps": run.total_steps,
         "train_pairs": len(pairs),
         "held_out_pairs": len(held_out),
     }

@@ -9,7 +9,8 @@ Reads the config keys in `READS` (and its run settings: loggers, `sft.log_every`
 Every token of the step weighs the same (`posttrain.sft.step`): the summed cross-entropy is divided
 by the loss-token count of the whole step (all micro-batches, all ranks).
 
-Held-out loss on `sft_eval` is measured before and after training. Resume state lives in
+Held-out loss on `sft_eval` is measured before and after training, and every `sft.eval_every` steps
+(`keep: best` and early stopping by it: `posttrain.training.selection`). Resume state lives in
 `<out>.resume/` (checkpoint every `sft.checkpoint_every` steps and on SIGTERM); rerunning the
 same command continues from it. The output is an HF model folder (LoRA merged, adapters also
 in PEFT format under `adapter/`) with `metrics.jsonl` and `posttrain.json`.
@@ -70,10 +71,9 @@ def main() -> None:
         record.update(optimization.step(step, record["loss"]))
         run.log_step(record, postfix={"loss": ".4f", "tokens_per_s": ".0f"}, tokens=useful)
 
-    after = evaluate()
-    run.log(run.total_steps, after)
+    after = run.final_evaluation()
     summary = {"eval_loss_before": before["eval_loss"], "eval_loss_after": after["eval_loss"],
-               "train_loss_last": record["loss"], "steps": run.total_steps}
+               "train_loss_last": record["loss"]}
     run.finish(model, hf_config, summary, base_model=start)
 
 

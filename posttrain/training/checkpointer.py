@@ -8,6 +8,8 @@ Layout of `<out>.resume/` (outside the declared output, so Snakemake never delet
                              position, scheduler, python/torch RNG), plus any files the data
                              source writes beside them (async GRPO: the weights of the policy
                              versions sampling its work in flight)
+    best-00000060/           with `keep: best`: the trainable weights of the best evaluation so far
+                             (the one the last checkpoint names, and a newer best written since)
 
 A checkpoint is written into `step-N.tmp/` and renamed to `step-N/` once every rank is done, so
 a kill during saving leaves the previous checkpoint usable; only then are older ones removed.
@@ -38,6 +40,7 @@ from posttrain.optim import load_optimizer_state_dict, optimizer_state_dict
 from posttrain.utils.io import refuse_other_run
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_BEST_DIR = re.compile(r"^best-(\d{8})$")
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Loading a state without the frozen parameters: they are reported missing, and checked below.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -240,6 +243,48 @@ class Checkpointer:
             scheduler.load_state_dict(record["scheduler"])
         _set_rng_state(record["rng"])
         return ResumePoint(step=int(record["step"]), data_state=record["data"], path=path)
+
+    def _best_dir(self, step: int) -> Path:
+        return self.root / f"best-{step:08d}"
+
+    def save_best(self, step: int, model: nn.Module) -> None:
+        """The trainable weights after `step` into `best-<step>/` (atomically, like a checkpoint); older bests stay
+        until a checkpoint that names this one is complete (`prune_best`)."""
+        final = self._best_dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        with _single_process_quiet():
+            dcp.save({"model": get_model_state_dict(model, options=_OPTIONS)}, checkpoint_id=tmp,
+                     no_dist=self.world_size == 1)
+        _barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        _barrier()
+
+    def load_best(self, step: int | None, model: nn.Module) -> None:
+        """Load `best-<step>/` into `model` (its trainable weights)."""
+        path = self._best_dir(step) if step is not None else None
+        if path is None or not path.is_dir():
+            raise ResumeError(f"{path or self.root}: the best evaluation's weights are missing; delete {self.root} "
+                              "and rerun the stage")
+        state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
+        set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
+
+    def prune_best(self, keep: int | None) -> None:
+        """Remove every `best-*/` but `best-<keep>/` (the one the current state names)."""
+        _barrier()
+        if self.rank == 0 and self.root.is_dir():
+            for path in self.root.iterdir():
+                match = _BEST_DIR.match(path.name) or (path.name.endswith(".tmp") and path.name.startswith("best-"))
+                if match and (keep is None or path.name != f"best-{keep:08d}"):
+                    shutil.rmtree(path, ignore_errors=True)
+        _barrier()
 
     def remove(self) -> None:
         """Delete the resume state once the final output is complete."""

@@ -6,9 +6,10 @@
     optimization = run.optimization(model)                # optimizer, schedule, clipping, guard
     run.resume(model, optimization, data)                 # the newest checkpoint, if any, loaded into them
     before = run.measure_before(evaluate)                 # logged at step 0, kept across a resume
-    for step in run.steps():                              # progress, timing, checkpoints, SIGTERM
-        ...                                               # the stage's own step
-        run.log_step(record)
+    for step in run.steps():                              # progress, timing, checkpoints, SIGTERM, and
+        ...                                               # `evaluate` every <stage>.eval_every steps
+        run.log_step(record)                              # (the stage's own step above)
+    after = run.final_evaluation()                        # the output model's: last, or best (loaded back)
     run.finish(model, hf_config, summary)                 # final HF folder, provenance, resume state removed
 
     if __name__ == "__main__":
@@ -17,8 +18,10 @@
 Resume state lives in `<out>.resume/` (`posttrain.training.checkpointer`): every `<stage>.checkpoint_every`
 steps and when SIGTERM arrives (Slurm preemption, time limits; the stage then exits 143 and the
 same command continues). A checkpoint holds the model, optimizer, schedule, RNG, the data
-position (`data.state_dict()`) and the metrics measured before training, so a resumed run
-reports the same "before" numbers on every rank.
+position (`data.state_dict()`), the metrics measured before training and the evaluations' selection
+state (`posttrain.training.selection`), so a resumed run reports the same "before" numbers on every
+rank and keeps and stops where the uninterrupted run does. With `keep: best` the best evaluation's
+trainable weights wait in `<out>.resume/best-<step>/` until the output is written.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.optim import Optimizer
 
-from posttrain.rules import adapter_problems, batch_split_problem
+from posttrain.rules import adapter_problems, batch_split_problem, selection_problems
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
@@ -42,6 +45,7 @@ from posttrain.training.final_model import save_final_model
 from posttrain.training.faults import SettingError, kill_if_requested, pause_if_requested
 from posttrain.training.optimization import Optimization
 from posttrain.training.checkpointer import Checkpointer, ResumePoint, remove_resume_state
+from posttrain.training.selection import Selection
 from posttrain.training.signals import StopOnSignal
 from posttrain.training.setup import build_model, seed_everything
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
@@ -71,6 +75,12 @@ class StageRun:
         self.section = self.cfg[stage]
         self.memory = self.cfg["memory"] if training else None
         self.total_steps = int(self.section["steps"]) if training else 0
+        self.final_step = self.total_steps  # the last step trained: earlier when early stopping ends the loop
+        self.eval_every = int(self.section.get("eval_every", 0)) if training else 0
+        problems = selection_problems(stage, self.section) if training else []  # the dry run's rule too
+        if problems:
+            raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
+        self.selection = Selection.of(stage, self.section) if self.eval_every else None
         self.info = init_distributed()
         self.device, self.is_main = self.info.device, self.info.is_main
         if one_process and self.info.world_size > 1:
@@ -91,6 +101,8 @@ class StageRun:
         self.start_step = 0
         self.last_checkpoint: Path | None = None
         self.before: dict[str, Any] = {}
+        self.evaluated: dict[int, dict[str, Any]] = {}  # step -> values of the evaluations during training
+        self._evaluate: Callable[[], dict[str, Any]] | None = None
         self._resumed: ResumePoint | None = None
         self._record: tuple[dict[str, Any], dict[str, str]] | None = None
         self._policy: dict[str, str] = {}  # model.policy -> its folder, resolved once
@@ -149,15 +161,23 @@ class StageRun:
                 data.load_files(resumed.path)
             data.load_state_dict(resumed.data_state["data"])
             self.before = resumed.data_state["before"]
+            if self.selection is not None:
+                self.selection.load_state_dict(resumed.data_state["selection"])
+                self.evaluated = {int(k): v for k, v in resumed.data_state["evaluated"].items()}
+                self.checkpointer.prune_best(self.selection.best_step)  # any newer best came after this checkpoint
             self.start_step, self.last_checkpoint = resumed.step, resumed.path
             if self.is_main:
                 truncate_after(self.checkpointer.metrics_path, self.start_step)
                 print(f"resuming from {resumed.path} at step {self.start_step}", flush=True)
+        elif self.selection is not None:
+            self.checkpointer.prune_best(None)  # a killed run's bests from before its first checkpoint
         self._resumed = resumed
         return resumed
 
     def measure_before(self, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """What the starting model scores: measured and logged at step 0 on a fresh start, restored on resume."""
+        """What the starting model scores: measured and logged at step 0 on a fresh start, restored on resume.
+        `measure` is the stage's held-out evaluation, run again every `eval_every` steps and at the end."""
+        self._evaluate = measure
         if self._resumed is None:
             self.before = measure()
             if self.before:
@@ -183,9 +203,18 @@ class StageRun:
             if self.is_main and step % self.section["log_every"] == 0:
                 bar.write(f"step {step}/{self.total_steps} " + json.dumps(
                     {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}))
-            due = self.checkpointer.due(step, self.total_steps)
+            if self.selection is not None and (step % self.eval_every == 0 or step == self.total_steps):
+                self._evaluate_during(step)
+            stopping = self.selection is not None and self.selection.should_stop() and step < self.total_steps
+            due = self.checkpointer.due(step, self.total_steps) and not stopping
             if due:
                 self._save(step)
+            if stopping:
+                bar.write(f"{self.stage}: early stopping at step {step}: {self.selection.metric} has not improved on "
+                          f"step {self.selection.best_step}'s {self.selection.best:.6g} for {self.selection.since_best} "
+                          "evaluations")
+                self.final_step = step
+                break
             pause_if_requested(self.stage, step, self.stop)
             if step < self.total_steps and self.stop.requested():
                 if not due:
@@ -196,11 +225,25 @@ class StageRun:
             kill_if_requested(step)
         bar.close()
 
+    def _evaluate_during(self, step: int) -> None:
+        """The held-out evaluation after `step`, logged; with `keep: best`, a new best's weights saved aside."""
+        if self._evaluate is None:
+            raise RuntimeError(f"{self.stage}: eval_every is set but the stage gave run.measure_before no evaluation")
+        values = self._evaluate()
+        self.log(step, values)
+        self.evaluated[step] = values
+        if self.selection.update(step, values) and self.section.get("keep") == "best":
+            self.checkpointer.save_best(step, self._model)
+
     def _save(self, step: int) -> None:
+        state = {"data": self._data.state_dict(), "before": self.before}
+        if self.selection is not None:
+            state.update(selection=self.selection.state_dict(), evaluated=self.evaluated)
         self.last_checkpoint = self.checkpointer.save(
-            step, self._model, self._optimization.optimizer, self._optimization.scheduler,
-            {"data": self._data.state_dict(), "before": self.before}, self._extra,
+            step, self._model, self._optimization.optimizer, self._optimization.scheduler, state, self._extra,
             write_files=getattr(self._data, "save_files", None))
+        if self.selection is not None:
+            self.checkpointer.prune_best(self.selection.best_step)
 
     def seconds(self) -> float:
         """Seconds since the current step began."""
@@ -221,10 +264,31 @@ class StageRun:
 
     # --- the end ---
 
+    def final_evaluation(self) -> dict[str, Any]:
+        """The held-out evaluation of the model this stage outputs: with `keep: best`, the best evaluation's
+        weights are loaded back into the model and its values returned; else the last step's, measured once."""
+        if self._evaluate is None:
+            raise RuntimeError(f"{self.stage}: final_evaluation needs the evaluation given to run.measure_before")
+        if self.selection is not None and self.section.get("keep") == "best":
+            self.checkpointer.load_best(self.selection.best_step, self._model)
+            return self.evaluated[self.selection.best_step]
+        if self.final_step not in self.evaluated:
+            self.evaluated[self.final_step] = self._evaluate()
+            self.log(self.final_step, self.evaluated[self.final_step])
+        return self.evaluated[self.final_step]
+
+    def selection_summary(self) -> dict[str, Any]:
+        """What the summary records of evaluation during training: the steps trained, the best and what was kept."""
+        if self.selection is None:
+            return {"steps": self.final_step}
+        return {"steps": self.final_step, "stopped_early": self.final_step < self.total_steps,
+                "keep": self.section.get("keep", "last"), "evaluations": len(self.evaluated), **self.selection.summary()}
+
     def finish(self, model: Transformer, hf_config: dict[str, Any], summary: dict[str, Any], base_model: str | None) -> None:
         """Write the final HF folder (`base_model`: the adapters' base; what LoRA writes by the stage's `save`), drop
         the resume state, leave the process group."""
         self.metrics.close()
+        summary = {**summary, **self.selection_summary()} if self.memory is not None else summary
         save_final_model(
             self.out, model, hf_config=hf_config, tokenizer=self.tokenizer, cfg=self.cfg, started=self.started,
             summary=summary, metrics_path=self.checkpointer.metrics_path, is_main=self.is_main, base_model=base_model,

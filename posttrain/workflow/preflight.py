@@ -56,6 +56,7 @@ from posttrain.rules import (
     parallel_layout_problem,
     ppo_problems,
     prompt_split_problem,
+    selection_problems,
 )
 from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
 from posttrain.workflow.inputs import code_search_path
@@ -122,6 +123,9 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
             # the reward model trains as one process: no tensor parallelism
             problems += adapter_problems(stage, cfg[stage]["method"], cfg[stage]["save"],
                                          1 if stage == "reward_model" else tp, _starts_from_preset(cfg, stage))
+    for stage in (*TRAINING_SECTIONS, "reward_model"):
+        if stage != "reward_model" or cfg["reward_model"]["source"] == "train":
+            problems += selection_problems(stage, cfg[stage])
     for stage in TRAINING_SECTIONS:
         section = cfg[stage]
         world = _processes(section["resources"])

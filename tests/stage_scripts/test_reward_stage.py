@@ -122,7 +122,9 @@ def test_reward_model_accuracy_and_transformers_parity(setup, tmp_path, monkeypa
     assert stats["held_out_accuracy_before"] < 0.75
     assert stats["held_out_accuracy"] >= 0.9, stats
     records = [json.loads(line) for line in (rm / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(251)) and "loss" in records[-1]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 251))
+    assert [r["step"] for r in records if "held_out_accuracy" in r] == list(range(0, 251, 25))  # eval_every: 25
+    assert records[-1] == {"step": 250, "held_out_accuracy": stats["held_out_accuracy"]}
     assert not (tmp_path / "rm.resume").exists()
 
     # The folder is a sequence classifier that transformers scores exactly as the reward stage did.

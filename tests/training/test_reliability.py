@@ -36,21 +36,24 @@ from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV, exit_on_known_errors, explain_out_of_memory
 from posttrain.training.checkpointer import Checkpointer, resume_dir
 from posttrain.utils.provenance import git_commit
-from posttrain.workflow.schema import validate_config
+from posttrain.rules import HELD_OUT_METRICS
+from posttrain.workflow.schema import ConfigError, validate_config
 from sft_testing import ROOT, SMALL_DATA, env_for, metrics, prepare_data, resolved_config, weights, write_config
 
 # A fake hub token in every stage's environment: no output file and no log line may contain it.
 SECRET = "hf_posttrainReliabilityTestToken0123456789"
 TOKEN_ENV = {"HF_TOKEN": SECRET, "HUGGING_FACE_HUB_TOKEN": SECRET}
 
-# Tiny runs of each training stage: a checkpoint every 2 steps, so a kill loses at most one step.
+# Tiny runs of each training stage: a checkpoint every 2 steps, so a kill loses at most one step. DPO, GRPO and
+# distillation also evaluate every 2 steps and keep the best evaluation's weights (SFT keeps the last).
+BEST = {"eval_every": 2, "keep": "best"}
 SECTIONS: dict[str, dict[str, Any]] = {
     "sft": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1},
-    "dpo": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1, "lr": 1e-3},
+    "dpo": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1, "lr": 1e-3, **BEST},
     "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 10, "checkpoint_every": 2,
-             "log_every": 1, "eval_prompts": 8, "lr": 1e-3},
+             "log_every": 1, "eval_prompts": 8, "lr": 1e-3, **BEST},
     "distill": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1,
-                "eval_prompts": 4, "max_new_tokens": 8},
+                "eval_prompts": 4, "max_new_tokens": 8, **BEST},
 }
 # Fields of metrics.jsonl / posttrain.json that measure time, not results.
 TIMING = {"started", "wall_time_s", "step_s", "tokens_per_s", "samples_per_s", "trainer_idle_frac", "generate_s",
@@ -214,6 +217,12 @@ def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (stage, interrupt, saved)
     losses = [r["loss"] for r in metrics(out) if "loss" in r]
     assert losses == [r["loss"] for r in metrics(ref) if "loss" in r] and len(losses) == steps
+    assert results_without_timing(metrics(out)) == results_without_timing(metrics(ref))
+    if SECTIONS[stage].get("keep") == "best":  # evaluated at 0, 2 and 4; the kept step survived the interruption
+        metric = next(iter(HELD_OUT_METRICS[stage]))
+        assert [r["step"] for r in metrics(out) if metric in r] == [0, 2, 4]
+        summary = json.loads((out / "posttrain.json").read_text())["metrics"]
+        assert summary["best_step"] in (2, 4) and summary["keep"] == "best" and summary["evaluations"] == 2
     assert not resume_dir(out).exists()
 
 
@@ -288,7 +297,10 @@ def test_bad_data_row_names_file_row_and_field(tmp_path, monkeypatch, capsys):
     source = tmp_path / "chats.jsonl"
     good = {"prompt": "What is 2+2?", "response": "4"}
     source.write_text("\n".join(json.dumps(r) for r in [good, good, {"prompt": "Where is the answer?"}]) + "\n")
-    sources = validate_config({"data": {"sources": [{"kind": "sft", "path": str(source)}]}})["data"]["sources"]
+    raw = [{"kind": "sft", "path": str(source)}]
+    with pytest.raises(ConfigError, match=r"chats.jsonl: row 2: field response is missing"):  # the dry run says it first
+        validate_config({"data": {"sources": raw}})
+    sources = validate_config({"data": {"sources": raw, "on_bad_row": "skip"}})["data"]["sources"]
     cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": sources})
     out = tmp_path / "data"
     error = _run_main("prepare_data", ["--config", write_config(cfg, tmp_path / "c.json"), "--out", out],
