@@ -134,7 +134,7 @@ def selection_problems(stage: str, section: Mapping[str, Any]) -> list[tuple[str
         if wants and every == 0:
             problems.append((f"{stage}.{key}", f"compares evaluations during training: set {stage}.eval_every "
                              "(steps between them) above 0"))
-    if every > int(section["steps"]):
+    if section.get("epochs") is None and every > int(section["steps"]):  # with epochs, checked once steps are known
         problems.append((f"{stage}.eval_every", f"{every} is more than {stage}.steps ({section['steps']}): "
                          "the stage would evaluate only after training"))
     try:

@@ -86,7 +86,6 @@ def main() -> None:
     check_same_vocabulary(run.tokenizer, teacher_dir, teacher_config, cfg["model"]["student"], hf_config)
     teacher = run.frozen_model(str(teacher_dir), teacher_config)
     student = run.build_model(cfg["model"]["student"], hf_config, distill["method"], distill["lora"])
-    optimization = run.optimization(student)
     heads = OutputHead(student, run.mesh, run.memory), OutputHead(teacher, run.mesh, run.memory)
 
     # --- data: the SFT split (teacher-forced), or completions sampled for the prompts split ---
@@ -100,6 +99,8 @@ def main() -> None:
     else:
         train = sft_batches(data_dir, micro, seed=cfg["seed"], rank=run.dp_rank, world_size=run.dp_size,
                             multiple=multiple)
+    run.epoch_size(len((train.prompts if isinstance(train, SampledBatches) else train).dataset), distill["batch_size"])
+    optimization = run.optimization(student)
     sampler: Transformer | None = None
 
     def evaluate() -> dict[str, float]:

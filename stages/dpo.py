@@ -106,6 +106,7 @@ def main() -> None:
     micro = run.micro_batch_size()
     train, pair_files = training_pairs(args, cfg, run.tokenizer, micro, run.dp_rank, run.dp_size)
     held_out = held_out_pairs(args.data, run.tokenizer, cfg["data"]["max_seq_len"])
+    run.epoch_size(len(train.dataset), dpo["batch_size"])
     optimization = run.optimization(model)
 
     precompute = uses_reference and dpo["reference"] == "precompute"

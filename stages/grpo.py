@@ -68,7 +68,7 @@ from posttrain.rewards.specs import pretrained_source
 from posttrain.rewards.verifiers import VerifierError
 from posttrain.rl.collection import build_collection
 from posttrain.rl.critic import build_critic
-from posttrain.rl.prompts import eval_prompts, training_prompts
+from posttrain.rl.prompts import eval_prompts, prompt_count, training_prompts
 from posttrain.rl.rollout import WorkerSpec
 from posttrain.rl.step import CriticBaseline, GRPOStep, GroupBaseline
 from posttrain.rules import ppo_problems, prompt_split_problem
@@ -102,6 +102,7 @@ def main() -> None:
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]
     hf_config = model_config(start, run.tokenizer)
     model = run.build_model(start, hf_config, grpo["method"], grpo["lora"])
+    run.epoch_size(prompt_count(args.data, args.reward), grpo["prompts_per_step"])
     optimization = run.optimization(model)
     optimization.one_micro_batch(rows_per_rank, grpo["micro_batch_size"])
     head = OutputHead(model, run.mesh, run.memory)

@@ -85,6 +85,7 @@ def main() -> None:
     add_adapters(model, section["method"], section["lora"], modules_to_save=("score",))
     pairs, held_out = split_pairs(run)
     train = Batches(pairs, section["batch_size"], preference_collate(pad_id), seed=run.cfg["seed"])
+    run.epoch_size(len(pairs), section["batch_size"])
     optimization = run.optimization(model)
 
     run.resume(model, optimization, train)

@@ -42,12 +42,13 @@ def main() -> None:
     start = run.start_model()
     hf_config = model_config(start, run.tokenizer)
     model = run.build_model(start, hf_config, sft["method"], sft["lora"])
-    optimization = run.optimization(model)
     head = OutputHead(model, run.mesh, run.memory)
 
     micro = run.micro_batch_size()
     multiple = length_multiple(run.memory["compile"] is not None, cfg["parallel"]["tp"])
     train = sft_batches(data_dir, micro, seed=cfg["seed"], rank=run.dp_rank, world_size=run.dp_size, multiple=multiple)
+    run.epoch_size(len(train.dataset), sft["batch_size"])  # packed rows
+    optimization = run.optimization(model)
 
     def evaluate() -> dict[str, float]:
         """Held-out loss: one pass over `sft_eval`, from its start each time."""

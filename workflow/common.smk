@@ -15,6 +15,7 @@ from posttrain.workflow.schema import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
 from posttrain.workflow.reasons import rerun_reasons
+from posttrain.workflow.stage_summary import summary_lines
 from posttrain.workflow.views import write_plan_files
 
 min_version("9.0")
@@ -48,6 +49,11 @@ write_plan_files(RESULTS, PLAN.files())
 # A missing output whose stage has an output differing only in code: say which modules changed.
 for line in rerun_reasons(PLAN):
     print(line, file=sys.stderr)
+# What each training stage will do (steps, rows and tokens per step, its split, epochs), said before any job
+# runs, so `snakemake -n` shows it (the Snakefile is read before Snakemake knows it is a dry run).
+if workflow.is_main_process:
+    for line in summary_lines(PLAN):
+        print(line, file=sys.stderr)
 
 
 wildcard_constraints:

@@ -13,11 +13,12 @@ from typing import Any
 from posttrain.workflow.layout import pipeline_order
 
 OBJECTIVES: dict[str, tuple[str, ...]] = {
-    "sft": ("loss", "eval_loss"),  # stages/sft.py: training CE per step; held-out CE at step 0 and the last step
-    "dpo": ("rewards/accuracy", "rewards/margin"),  # stages/dpo.py STEP_METRICS: implicit-reward win rate, margin
+    # held-out keys (rules.HELD_OUT_METRICS) at step 0, every <stage>.eval_every steps and the last step
+    "sft": ("loss", "eval_loss"),  # stages/sft.py: training CE per step; held-out CE
+    "dpo": ("rewards/accuracy", "rewards/margin", "eval_pref_acc"),  # stages/dpo.py: implicit-reward win rate, margin
     "reward_model": ("loss", "held_out_accuracy"),  # stages/reward_model.py (reward_model.source: train)
-    "grpo": ("reward_mean", "kl", "entropy"),  # posttrain.rl.rollout stats; `kl` only when grpo.kl_coef > 0
-    "distill": ("divergence", "eval_divergence"),  # stages/distill.py: KD divergence per step; held-out, first/last
+    "grpo": ("reward_mean", "kl", "entropy", "eval_accuracy"),  # posttrain.rl.rollout stats; `kl` with grpo.kl_coef > 0
+    "distill": ("divergence", "eval_divergence"),  # stages/distill.py: KD divergence per step; held-out divergence
 }
 
 Curve = tuple[str, list[float], list[float]]  # label, steps, values

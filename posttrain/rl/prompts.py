@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from posttrain.data.loader import Batches, eval_split_rows, prompt_batches, prompt_collate
-from posttrain.data.store import Split
+from posttrain.data.store import Split, load_split
 from posttrain.rl.rollout import PromptBatch
 
 PROMPT_COLUMNS = ("prompt_ids", "answer", "task", "example")
@@ -29,6 +29,16 @@ def training_prompts(data_dir: str, reward_dir: str | None, batch_size: int, see
     if len(dataset) < batch_size:
         raise ValueError(f"{path}: {len(dataset)} prompts, fewer than grpo.prompts_per_step ({batch_size})")
     return Batches(dataset, batch_size, prompt_collate, seed=seed, rank=rank, world_size=world_size)
+
+
+def prompt_count(data_dir: str, reward_dir: str | None) -> int:
+    """How many prompts `training_prompts` draws from (what `grpo.epochs` counts)."""
+    if reward_dir is None:
+        return len(load_split(data_dir, "prompts"))
+    path = Path(reward_dir) / PROMPTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; the reward stage writes the GRPO prompt set there")
+    return pq.read_metadata(path).num_rows
 
 
 def eval_prompts(data_dir: str, n: int, rank: int, world_size: int) -> PromptBatch:

@@ -3,6 +3,7 @@
     run = StageRun(STAGE, READS, INPUTS, __file__)        # flags, config, processes, mesh, seed, tokenizer,
                                                           # checkpointer, metrics, stop-on-signal
     model = run.build_model(source, hf_config)            # on the mesh, per memory/parallel
+    run.epoch_size(rows, per_step)                        # the training split's size: <stage>.epochs -> steps
     optimization = run.optimization(model)                # optimizer, schedule, clipping, guard
     run.resume(model, optimization, data)                 # the newest checkpoint, if any, loaded into them
     before = run.measure_before(evaluate)                 # logged at step 0, kept across a resume
@@ -27,6 +28,7 @@ trainable weights wait in `<out>.resume/best-<step>/` until the output is writte
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -77,9 +79,9 @@ class StageRun:
         self.total_steps = int(self.section["steps"]) if training else 0
         self.final_step = self.total_steps  # the last step trained: earlier when early stopping ends the loop
         self.eval_every = int(self.section.get("eval_every", 0)) if training else 0
-        problems = selection_problems(stage, self.section) if training else []  # the dry run's rule too
-        if problems:
-            raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
+        self._epoch: tuple[int, int] | None = None  # (training rows, rows per step), from `epoch_size`
+        if training and self.section.get("epochs") is None:
+            self._check_selection()
         self.selection = Selection.of(stage, self.section) if self.eval_every else None
         self.info = init_distributed()
         self.device, self.is_main = self.info.device, self.info.is_main
@@ -147,7 +149,27 @@ class StageRun:
             raise SettingError(f"{self.stage}.batch_size: {problem}")
         return batch // accum
 
+    def _check_selection(self) -> None:
+        problems = selection_problems(self.stage, self.section)  # the dry run's rule too
+        if problems:
+            raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
+
+    def epoch_size(self, rows: int, per_step: int) -> None:
+        """The training split's rows and the rows one step takes: with `<stage>.epochs` set, the run's steps are
+        ceil(epochs x rows / per_step) (so the schedule, checkpoints and evaluations follow them); either way the
+        summary records the epochs trained."""
+        if rows < 1:
+            raise SettingError(f"{self.stage}: the training split is empty")
+        self._epoch = (rows, per_step)
+        epochs = self.section.get("epochs")
+        if epochs is not None:
+            self.total_steps = self.final_step = max(1, math.ceil(float(epochs) * rows / per_step))
+            self.section = {**self.section, "steps": self.total_steps}
+            self._check_selection()
+
     def optimization(self, model: Transformer) -> Optimization:
+        if self.section.get("epochs") is not None and self._epoch is None:
+            raise RuntimeError(f"{self.stage}: {self.stage}.epochs needs the split's size: call run.epoch_size first")
         return Optimization(model, self.section, self.memory, self.mesh, self.stage, lambda: self.last_checkpoint)
 
     def resume(self, model: Transformer, optimization: Optimization, data: Resumable,
@@ -279,9 +301,13 @@ class StageRun:
 
     def selection_summary(self) -> dict[str, Any]:
         """What the summary records of evaluation during training: the steps trained, the best and what was kept."""
+        trained = {"steps": self.final_step}
+        if self._epoch is not None:
+            rows, per_step = self._epoch
+            trained.update(epochs=round(self.final_step * per_step / rows, 4), train_rows=rows)
         if self.selection is None:
-            return {"steps": self.final_step}
-        return {"steps": self.final_step, "stopped_early": self.final_step < self.total_steps,
+            return trained
+        return {**trained, "stopped_early": self.final_step < self.total_steps,
                 "keep": self.section.get("keep", "last"), "evaluations": len(self.evaluated), **self.selection.summary()}
 
     def finish(self, model: Transformer, hf_config: dict[str, Any], summary: dict[str, Any], base_model: str | None) -> None:

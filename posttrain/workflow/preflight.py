@@ -41,7 +41,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -452,19 +452,40 @@ def _local_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@lru_cache(maxsize=256)
+def _row_count(source_json: str, index: int, skip_bad: bool, stat: tuple[int, int]) -> int:
+    """Rows a source gives after `weight` and `max_rows`, read as data prep reads them (`stat`: the file's size
+    and mtime, so an edited file is read again)."""
+    from posttrain.data.sources import source_rows
+
+    rows, _ = source_rows(json.loads(source_json), f"data.sources[{index}]", f"{index}", skip_bad=skip_bad)
+    return len(rows)
+
+
+def local_source_rows(data: Mapping[str, Any], index: int) -> int | None:
+    """The rows data prep will take from local source `index` (raises DataError on a bad row or an unreadable file);
+    None for a hub id, a missing path or one over `DRY_RUN_SOURCE_BYTES` (left to data prep)."""
+    source = data["sources"][index]
+    local = Path(str(source["path"])).expanduser()
+    if not local.exists():
+        return None
+    size = _local_bytes(local)
+    if size > DRY_RUN_SOURCE_BYTES:
+        return None
+    return _row_count(json.dumps(source, sort_keys=True, default=str), index, data["on_bad_row"] == "skip",
+                      (size, local.stat().st_mtime_ns))
+
+
 def source_row_problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Every row of a local data source (up to `DRY_RUN_SOURCE_BYTES` of files) read as its kind, as data prep
     reads it: the first bad row (with `on_bad_row: error`) or a file that cannot be read, naming file, row and
     field. Rendering with the chat template (tool calls) needs the tokenizer, and is data prep's check."""
-    from posttrain.data.sources import DataError, source_rows
+    from posttrain.data.sources import DataError
 
     problems = []
-    for i, source in enumerate(data["sources"]):
-        local = Path(str(source["path"])).expanduser()
-        if not local.exists() or _local_bytes(local) > DRY_RUN_SOURCE_BYTES:
-            continue  # a hub id (left to data prep), a missing path (path_problems), or too big to read twice
+    for i in range(len(data["sources"])):
         try:
-            source_rows(source, f"data.sources[{i}]", f"{i}", skip_bad=data["on_bad_row"] == "skip")
+            local_source_rows(data, i)
         except DataError as err:
             problems.append((f"data.sources[{i}]", str(err)))
     return problems

@@ -215,3 +215,41 @@ def test_the_dry_run_refuses_adapter_saves_without_adapters_and_lora_under_tenso
     assert "dpo.save" not in text  # dpo starts from sft's output folder
     cfg["sft"]["save"] = cfg["distill"]["save"] = "both"
     assert validate_config(cfg)["dpo"]["save"] == "adapter"
+
+
+def _run_stage(stage: str, cfg: dict[str, Any], data: Path, out: Path) -> Path:
+    config = write_config(cfg, out.parent / f"{out.name}.json")
+    proc = subprocess.run([sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--config", str(config), "--data",
+                           str(data), "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env_for())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_lora_sft_and_dpo_train_and_their_adapter_only_outputs_load_with_peft(stage, setup):
+    """The first stages too: the loss falls, the adapter alone (`save: adapter`) loads with PEFT on the start
+    model and gives the merged output's logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    section = {"steps": 8, "batch_size": 8, "lr": 2e-2, "warmup_steps": 0, "checkpoint_every": 1000, "log_every": 100,
+               "method": "lora", "lora": LORA}
+    outs = {}
+    for save in ("both", "adapter"):
+        cfg = resolved_config(stage, f"lora-{stage}-{save}", data=DATA, **{stage: {**section, "save": save}})
+        cfg["model"]["policy"] = str(setup["policy"])
+        outs[save] = _run_stage(stage, cfg, setup["data"], setup["tmp"] / f"{stage}-{save}")
+    losses = train_losses(metrics(outs["both"]))
+    assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
+    assert train_losses(metrics(outs["adapter"])) == losses  # the save changes what is written, not the run
+    assert "model.safetensors" not in {p.name for p in outs["adapter"].iterdir()}
+    adapted = assert_only_adapters_trained(model_tensors(setup["policy"]), outs["both"], outs["both"] / "adapter",
+                                           LORA["alpha"] / LORA["rank"])
+    assert adapted == 2 * 2 + 1
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(setup["policy"], torch_dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, outs["adapter"]).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(outs["both"], torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, merged.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
