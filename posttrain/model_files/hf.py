@@ -242,7 +242,9 @@ def write_hf_config(hf_config: dict[str, Any], out_dir: str | os.PathLike, dtype
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "mistral": "MistralForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def folder_tool(name: str, write: Callable[[], Path], record: str) -> int:

@@ -16,6 +16,14 @@ activation checkpointing recomputes a layer with the kernel its forward used. `a
   queries over every rank's keys and values, gathered along the sequence, with the mask of the
   queries' global positions.
 
+Sliding-window layers (Mistral, Gemma 3's local layers, ...) get their own mask from
+`sliding_window_mask`: key k is visible to query q when 0 <= q - k < window (transformers' rule),
+on top of the document-causal rule. Rows without document ids count as one document each, so the
+window takes the packed-row kernels above (dense on CPU, flex's mask_mod, varlen's `window_size`);
+with a KV cache the window is a dense band over cache indices (left padding keeps every row's real
+tokens contiguous, so index distance is token distance). Models without a window never build one:
+their path is unchanged.
+
 `attention_backend` forces a packed-row kernel for tests and benchmarks. Heads are taken from
 the tensors (tensor parallelism shards them), and grouped-query attention is passed to each kernel.
 """
@@ -23,6 +31,7 @@ the tensors (tensor parallelism shards them), and grouped-query attention is pas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -66,6 +75,7 @@ class VarlenMask:
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    window: int | None = None  # sliding window: each query sees its last `window` positions
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,15 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
-    """FlexAttention block mask with `document_mask`'s pattern; on CUDA without a dense mask.
+def window_band(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] boolean: query i (at index kv_len - q_len + i) sees keys 0 <= q - k < window."""
+    q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    distance = q - torch.arange(kv_len, device=device)[None]
+    return (distance >= 0) & (distance < window)
+
+
+def document_block_mask(document_ids: torch.Tensor, window: int | None = None) -> BlockMask:
+    """FlexAttention block mask with `document_mask`'s pattern (within `window`); on CUDA without a dense mask.
 
     Heads are broadcast (H=None), so it serves any number of local heads.
     """
@@ -104,11 +121,14 @@ def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
     def document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (docs[b, q] == docs[b, kv]) & (q >= kv)
 
+    def document_window(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (docs[b, q] == docs[b, kv]) & (q >= kv) & (q - kv < window)
+
     batch, seq = docs.shape
     # Eager create_block_mask evaluates the mask densely; compiled, it never stores it.
     compiled = docs.is_cuda and not torch.compiler.is_compiling()
     build = _compiled_create_block_mask() if compiled else create_block_mask
-    return build(document_causal, batch, None, seq, seq, device=docs.device)
+    return build(document_causal if window is None else document_window, batch, None, seq, seq, device=docs.device)
 
 
 def document_varlen(document_ids: torch.Tensor) -> VarlenMask:
@@ -168,31 +188,69 @@ def attention_mask(
     return document_varlen(document_ids)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool) -> torch.Tensor:
+def sliding_window_mask(
+    window: int,
+    input_shape: tuple[int, int],
+    document_ids: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    past: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AttentionMask:
+    """`attention_mask`'s mask for a layer attending within `window` (see the module doc).
+
+    `input_shape` is the forward's [B, S]; `past` the KV cache's filled length (None: no cache).
+    """
+    if document_ids is None and attn_mask is None and past is None:
+        document_ids = torch.zeros(input_shape, dtype=torch.long, device=device)  # each row one document
+    if document_ids is not None:
+        backend = "dense" if past is not None and _forced == "auto" else packed_backend(device, dtype)
+        if backend == "dense":
+            return document_mask(document_ids) & window_band(input_shape[1], input_shape[1], window, device)
+        if past is not None:
+            raise ValueError(f"attention backend {backend!r} does not take a KV cache: use 'dense'")
+        if backend == "flex":
+            return document_block_mask(document_ids, window)
+        if dtype not in HALF_DTYPES or not varlen_available(device):
+            raise ValueError(f"the varlen backend needs CUDA sm80+ and bf16/fp16, got {device} {dtype}")
+        return dataclasses.replace(document_varlen(document_ids), window=window)
+    if isinstance(attn_mask, GatheredKV):
+        raise ValueError("parallel.cp does not support sliding-window attention layers: set parallel.cp=1")
+    kv_len = attn_mask.shape[-1] if attn_mask is not None else past + input_shape[1]
+    band = window_band(input_shape[1], kv_len, window, device)
+    return band if attn_mask is None else attn_mask & band
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool,
+           scale: float | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, S, D] over k, v [B, Hkv, T, D] -> [B, Hq, S, D].
 
     `causal` applies when `mask` is None (SDPA's `is_causal`); decoding from a KV cache passes False.
+    `scale` multiplies q.k (None: head_dim ** -0.5).
     """
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, GatheredKV):
         k, v, mask = mask.gather(k), mask.gather(v), mask.mask
     if isinstance(mask, BlockMask):
-        return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if isinstance(mask, VarlenMask):
-        return _varlen(q, k, v, mask, gqa)
+        return _varlen(q, k, v, mask, gqa, scale)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None and causal, enable_gqa=gqa
+        q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=gqa
     )
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, gqa: bool) -> torch.Tensor:
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, gqa: bool,
+            scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     bsz, heads, seq, head_dim = q.shape
     # [B, H, S, D] views of [B, S, H, D] projections: flattening the rows is free.
     flat = [t.transpose(1, 2).reshape(bsz * seq, -1, head_dim) for t in (q, k, v)]
     cu, longest = mask.cu_seqlens, mask.max_seqlen
-    out = varlen_attn(*flat, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
+    # FlashAttention's window (left, right) lets query i see keys i - left .. i + right.
+    left = -1 if mask.window is None else mask.window - 1
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(left, 0), enable_gqa=gqa)
     return out.view(bsz, seq, heads, head_dim).transpose(1, 2)
 
 

@@ -7,7 +7,9 @@ a padding tail) and on padded rows (one document and its padding, an id of its o
 on CPU: flex vs dense 1.4e-6; float32 vs float64 2e-6); float32 weight gradients, which reach
 ~5e3 here, to 1e-5 of their largest entry (float32 vs float64: 5e-7); bf16 (varlen vs dense) in
 relative norm, 2e-2 for hidden states and 5e-2 for gradients (bf16 vs float64: 2.3e-2). The
-CPU default stays the dense mask, bitwise. torch 2.13 has no FlexAttention backward on CPU: the
+CPU default stays the dense mask, bitwise. Each kernel test also runs a model whose layers 1 and 2
+attend within a sliding window of WINDOW tokens (Qwen3 with use_sliding_window), shorter than many
+documents, so the window's mask_mod / window_size is checked against the dense band. torch 2.13 has no FlexAttention backward on CPU: the
 gradient test skips there with that reason. The varlen kernel needs CUDA; on CPU a reference
 kernel (SDPA per document) stands in for it to check the flattening around it.
 """
@@ -27,15 +29,18 @@ from posttrain.models.attention import VarlenMask, attention_backend, attention_
 CFG = dict(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
 SEQ = 160  # over one 128-token flex block: documents cross block boundaries
+WINDOW = 24
+WINDOWS = pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
 FWD_ATOL = 1e-5  # float32 hidden states, flex vs dense
 GRAD_RTOL = 1e-5  # float32 gradients: max error over the largest entry
 BF16_RTOL = (2e-2, 5e-2)  # varlen vs dense in bf16: relative norm of the error, hidden states and gradients
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the varlen/flash kernels)")
 
 
-def model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+def model(device: str = "cpu", dtype: torch.dtype = torch.float32, window: int | None = None) -> Transformer:
     torch.manual_seed(0)
-    m = Transformer(CFG)
+    m = Transformer(CFG if window is None else {**CFG, "use_sliding_window": True, "sliding_window": window,
+                                                 "max_window_layers": 1})
     with torch.no_grad():  # non-trivial norms so a misrouted head or document shows
         for name, p in m.named_parameters():
             if "norm" in name:
@@ -83,21 +88,23 @@ def flex_backward_supported(device: str) -> bool:
     return True
 
 
+@WINDOWS
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_flex_forward_matches_dense(packing):
-    m = model().eval()
+def test_flex_forward_matches_dense(packing, window):
+    m = model(window=window).eval()
     ids, doc_ids = rows(packing)
     flex, _ = forward(m, ids, doc_ids, "flex")
     dense, _ = forward(m, ids, doc_ids, "dense")
     torch.testing.assert_close(flex, dense, atol=FWD_ATOL, rtol=0)
 
 
+@WINDOWS
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_flex_gradients_match_dense(device, packing):
+def test_flex_gradients_match_dense(device, packing, window):
     if not flex_backward_supported(device):
         pytest.skip(f"FlexAttention has no backward on {device} in torch {torch.__version__}")
-    m = model(device)
+    m = model(device, window=window)
     ids, doc_ids = rows(packing, device)
     flex, flex_grads = forward(m, ids, doc_ids, "flex", grad=True)
     dense, dense_grads = forward(m, ids, doc_ids, "dense", grad=True)
@@ -174,26 +181,32 @@ def test_cpu_defaults_and_forced_backends():
             pass
 
 
-def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa):
-    """varlen_attn's contract in plain SDPA, one document at a time: [T, H, D] in and out."""
-    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
+def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """varlen_attn's contract in plain SDPA, one document at a time: [T, H, D] in and out.
+
+    window_size (left, 0): query i sees keys i - left .. i (left -1: all before it).
+    """
+    left, right = window_size
+    assert right == 0 and torch.equal(cu_q, cu_k) and max_q == max_k
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
-    outs = [
-        F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
-                                       enable_gqa=enable_gqa)[0].transpose(0, 1)
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())
-    ]
+    outs = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        pos = torch.arange(b - a)
+        seen = (pos[:, None] >= pos[None]) & ((pos[:, None] - pos[None] <= left) if left >= 0 else True)
+        outs.append(F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), attn_mask=seen,
+                                                   scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
+@WINDOWS
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_varlen_flattening_on_cpu_with_a_reference_kernel(monkeypatch, packing):
+def test_varlen_flattening_on_cpu_with_a_reference_kernel(monkeypatch, packing, window):
     """The rows -> documents plumbing of the varlen path, forward and gradients, without a GPU."""
     import torch.nn.attention.varlen
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", reference_varlen_attn)
     monkeypatch.setattr(attention, "varlen_available", lambda device: True)
-    m = model(dtype=torch.bfloat16)
+    m = model(dtype=torch.bfloat16, window=window)
     ids, doc_ids = rows(packing)
     assert isinstance(attention_mask(doc_ids, None, cached=False, dtype=torch.bfloat16), torch.Tensor)  # CPU: dense
     varlen, varlen_grads = forward(m, ids, doc_ids, "varlen", grad=True)
@@ -204,11 +217,12 @@ def test_varlen_flattening_on_cpu_with_a_reference_kernel(monkeypatch, packing):
 
 
 @CUDA
+@WINDOWS
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_varlen_matches_dense_on_cuda(packing):
+def test_varlen_matches_dense_on_cuda(packing, window):
     if not attention.varlen_available(torch.device("cuda")):
         pytest.skip("variable-length FlashAttention needs sm80+ and torch.nn.attention.varlen")
-    m = model("cuda", torch.bfloat16)
+    m = model("cuda", torch.bfloat16, window)
     ids, doc_ids = rows(packing, "cuda")
     assert isinstance(attention_mask(doc_ids, None, cached=False, dtype=torch.bfloat16), VarlenMask)  # the default
     varlen, varlen_grads = forward(m, ids, doc_ids, "varlen", grad=True)

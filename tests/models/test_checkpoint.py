@@ -67,11 +67,12 @@ def test_remote_code_refused(folder):
         load_hf_model(folder)
 
 
-def test_sliding_window_attention_refused(folder):
-    """The decoder attends to the whole causal context; a Qwen2 config asking for a window would train another model."""
+def test_sliding_window_attention_refused_for_moe(folder):
+    """MoE layers are not ported with windows; a Qwen2-MoE config asking for one would train another model."""
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 64}))
-    with pytest.raises(CheckpointError, match="use_sliding_window is not supported"):
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2_moe", "use_sliding_window": True,
+                                                    "sliding_window": 64}))
+    with pytest.raises(CheckpointError, match="use_sliding_window is not supported for qwen2_moe"):
         load_hf_model(folder)
 
 

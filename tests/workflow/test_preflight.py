@@ -143,7 +143,7 @@ def _model_folder(root: Path, model_type: str = "qwen3", template: bool = True) 
 
 BAD_INPUTS = {
     "preset typo": ("model: {policy: tinyy}\n", "model.policy: 'tinyy' is not a preset (did you mean 'tiny'?)"),
-    "architecture": ("model: {policy: mistral-7b}\n", "model.policy: mistral-7b: model_type 'mistral' is not supported"),
+    "architecture": ("model: {policy: gpt2-large}\n", "model.policy: gpt2-large: model_type 'gpt2' is not supported"),
     "reward module": ("reward: {verifiers: ['no_such_module:score']}\n",
                       "reward.verifiers[0]: no_such_module:score: cannot import 'no_such_module'"),
     "data row": ("data: {sources: [{kind: preference, path: pairs.jsonl}]}\n",
@@ -182,7 +182,7 @@ def test_a_dry_run_reads_local_rows_and_names_file_row_and_field(name, tmp_path,
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_a_dry_run_names_each_bad_input_in_one_line(name, tmp_path):
     """From a working directory of the user's own, as a researcher runs it: `snakemake -s <checkout>/Snakefile`."""
-    _model_folder(tmp_path / "mistral-7b", "mistral")
+    _model_folder(tmp_path / "gpt2-large", "gpt2")
     (tmp_path / "pairs.jsonl").write_text(json.dumps(GOOD_PAIR) + "\n" + json.dumps({"prompt": "Q", "chosen": "A"}) + "\n")
     overlay, expected = BAD_INPUTS[name]
     (tmp_path / "overlay.yaml").write_text(overlay)
