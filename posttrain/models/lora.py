@@ -123,7 +123,7 @@ def apply_lora(
     modules that stay fully trainable and are saved with the adapter (PEFT's `modules_to_save`:
     the reward model's new `score` head, which no base holds).
     """
-    targets, modules_to_save = tuple(targets), tuple(modules_to_save)
+    targets, modules_to_save = fused_targets(model, tuple(targets)), tuple(modules_to_save)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in modules_to_save:
@@ -144,6 +144,31 @@ def apply_lora(
         raise ValueError(f"lora.targets: {missing} match no nn.Linear in the model")
     model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), targets, quantize_base, modules_to_save)
     return model
+
+
+FUSED_GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fused_targets(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """Targets in the model's own module names: Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`.
+
+    The per-projection names (the default targets) then mean the fused module holding them all, one
+    adapter over the fused weight as PEFT trains it; a part of a fused group alone has no module.
+    """
+    args = getattr(model, "args", None)
+    if not getattr(args, "fused_projections", False):
+        return targets
+    out = list(targets)
+    for fused, parts in FUSED_GROUPS:
+        present = [t for t in parts if t in out]
+        if not present:
+            continue
+        if len(present) < len(parts):
+            raise ValueError(f"lora.targets: {', '.join(present)} alone cannot take an adapter in {args.model_type}, "
+                             f"whose {fused} fuses {', '.join(parts)}: target all of them, or {fused}")
+        out[out.index(present[0])] = fused
+        out = [t for t in out if t not in parts]
+    return tuple(dict.fromkeys(out))
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

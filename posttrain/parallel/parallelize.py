@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from posttrain.models.args import ModelArgs, ModelConfigError
 from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
 from posttrain.parallel.context_parallel import apply_context_parallel
 from posttrain.parallel.distributed import data_parallel_mesh, mesh_size
@@ -85,6 +86,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if args.num_experts:
         raise ValueError("tensor parallelism does not shard mixture-of-experts layers: set parallel.tp=1 "
                          "(FSDP2 shards their experts)")
+    layout = unshardable_layout(args)
+    if layout:
+        raise ModelConfigError(f"parallel.tp={tp}: tensor parallelism does not shard {args.model_type}: {layout}; "
+                               "set parallel.tp=1 (FSDP2 shards it)")
     parallelize_module(
         model,
         tp_mesh,
@@ -117,6 +122,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         block_plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in _blocks(model).values():
         parallelize_module(block, tp_mesh, block_plan)
+
+
+def unshardable_layout(args: ModelArgs) -> str | None:
+    """Why the block plan below cannot shard this family's layout (None: it can)."""
+    if args.fused_projections:
+        return "its fused qkv_proj/gate_up_proj weights would shard as mixed q/k/v (gate/up) rows on each rank"
+    if args.qk_norm and not args.qk_norm_per_head:
+        return "its q/k RMSNorm spans all heads of the projection, which the plan splits across ranks"
+    if args.norm_placement != "pre":
+        return "its norms after attention and MLP are not in the plan (pre-norm layouts only)"
+    return None
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int) -> None:

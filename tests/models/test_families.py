@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from posttrain.generation.sampler import SamplingParams, generate
 from posttrain.model_files import load_hf_model
-from posttrain.models import ModelConfigError, ModelArgs
+from posttrain.models import ModelArgs, ModelConfigError, Transformer
 from posttrain.workflow.preflight import model_source_problem
 
 transformers = pytest.importorskip("transformers")
@@ -33,6 +33,16 @@ FAMILIES = {
     # Qwen2 with use_sliding_window: the layers from max_window_layers on attend within the window.
     "qwen2-sliding": dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW,
                           max_window_layers=1),
+    "olmo2": dict(BASE, model_type="olmo2", attention_bias=True),
+    # Every second layer without rope (transformers' no_rope_layer_interval rule).
+    "smollm3": dict(BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
+    # Local, global, local; the global layers' rope linearly scaled, the local ones' own theta.
+    "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_theta=100_000.0, rope_local_base_freq=10_000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # Fused projections, half the head dims rotated, every layer windowed (Phi-3-mini-4k's layout).
+    "phi3": dict(BASE, model_type="phi3", partial_rotary_factor=0.5, sliding_window=WINDOW),
 }
 FWD_ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -141,3 +151,78 @@ def test_moe_sliding_window_refused():
     cfg = dict(BASE, model_type="qwen3_moe", use_sliding_window=True, sliding_window=WINDOW)
     with pytest.raises(ModelConfigError, match="use_sliding_window is not supported for qwen3_moe"):
         ModelArgs.from_hf(cfg)
+
+
+def ours_from(hf: torch.nn.Module) -> Transformer:
+    """Ours from transformers' config.json dict and weights, without a folder."""
+    model = Transformer(hf.config.to_dict())
+    model.load_state_dict(hf.state_dict(), strict=False)  # tied models' state dicts may omit lm_head
+    model.tie_weights()
+    return model.eval()
+
+
+def test_gemma3_reads_4x_and_5x_rope_keys_alike():
+    """config.json of transformers 4.x (rope_theta, rope_local_base_freq, rope_scaling) or 5.x (rope_parameters
+    per layer type) give the same model."""
+    old = FAMILIES["gemma3_text"]
+    new = transformers.AutoConfig.for_model(**old).to_dict()
+    assert "rope_parameters" in new and "rope_parameters" not in old
+    args = ModelArgs.from_hf(new)
+    assert ModelArgs.from_hf(old) == args
+    assert (args.rope_theta, args.local_rope_theta, args.sliding_layers) == (100_000.0, 10_000.0, (0, 2))
+    assert args.rope_scaling["factor"] == 2.0
+    assert args.embed_scale == 64**0.5 and args.attn_scale == 24**-0.5
+
+
+@pytest.mark.parametrize("key", ["final_logit_softcapping", "attn_logit_softcapping"])
+def test_gemma3_soft_capping_refused(key):
+    with pytest.raises(ModelConfigError, match=f"x.json: {key}=30.0 is not supported"):
+        ModelArgs.from_hf({**FAMILIES["gemma3_text"], key: 30.0}, source="x.json")
+    assert ModelArgs.from_hf({**FAMILIES["gemma3_text"], key: None}).model_type == "gemma3_text"
+
+
+def test_phi3_longrope_refused():
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 64}
+    with pytest.raises(ModelConfigError, match="x.json: rope scaling type 'longrope'.*not supported"):
+        ModelArgs.from_hf({**FAMILIES["phi3"], "rope_scaling": longrope}, source="x.json")
+
+
+class _Mesh:
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("name,reason", [("phi3", "fused qkv_proj"), ("olmo2", "spans all heads"),
+                                         ("gemma3_text", "norms after attention")])
+def test_tensor_parallel_refused_where_the_plan_cannot_shard(name, reason):
+    from posttrain.parallel.parallelize import apply_tensor_parallel, unshardable_layout
+
+    with pytest.raises(ModelConfigError, match=f"parallel.tp=2: .* {name}: .*{reason}"):
+        apply_tensor_parallel(Transformer({**FAMILIES[name], "vocab_size": 102}), _Mesh())
+    assert unshardable_layout(ModelArgs.from_hf(FAMILIES["mistral"])) is None
+    assert unshardable_layout(ModelArgs.from_hf(FAMILIES["smollm3"])) is None
+
+
+def test_phi3_lora_default_targets_take_the_fused_modules():
+    """The default targets (q/k/v/o/gate/up/down) adapt qkv_proj and gate_up_proj whole; the merge keeps HF names."""
+    import copy
+
+    from posttrain.models.lora import apply_lora, lora_modules, merged_state_dict
+
+    hf = hf_model(FAMILIES["phi3"])
+    ours = ours_from(hf)
+    model = apply_lora(copy.deepcopy(ours), rank=2, alpha=4)
+    assert model.lora_config.targets == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert {n.rsplit(".", 1)[-1] for n, _ in lora_modules(model)} == set(model.lora_config.targets)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.weight.normal_()
+        x = ids(1, 12)
+        merged = merged_state_dict(model)
+        hf_merged = copy.deepcopy(hf)
+        hf_merged.load_state_dict(merged, strict=False)
+        assert set(merged) >= set(hf.state_dict()) - {"lm_head.weight"}
+        assert (model.logits(model(x)) - hf_merged(x).logits).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="lora.targets: q_proj alone cannot take an adapter in phi3"):
+        apply_lora(copy.deepcopy(ours), rank=2, alpha=4, targets=("q_proj", "o_proj"))
