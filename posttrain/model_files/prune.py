@@ -25,6 +25,8 @@ from posttrain.model_files.hf import CheckpointError, folder_tool, read_hf_confi
 from posttrain.utils.io import PROVENANCE_FILE, atomic_dir, file_sha256
 
 SOURCE_FILE = "pruned-from.json"
+# Config lists with one entry per layer: attention kinds (Qwen3, Gemma 3, ...), SmolLM3's rope flags.
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 WEIGHTS = (".safetensors", ".safetensors.index.json")
 # Rewritten (config, generation config) or not this folder's (a stage output's provenance).
@@ -62,8 +64,9 @@ def prune(source: Path, out: Path, keep: int) -> Path:
     generation = source / "generation_config.json"
     generation_config = json.loads(generation.read_text()) if generation.is_file() else None
     config = {**config, "num_hidden_layers": len(layers)}
-    if isinstance(config.get("layer_types"), list):  # per-layer attention kinds (Qwen3): the kept layers'
-        config["layer_types"] = [config["layer_types"][i] for i in layers]
+    for key in PER_LAYER_KEYS:  # the kept layers' entries
+        if isinstance(config.get(key), list):
+            config[key] = [config[key][i] for i in layers]
     with atomic_dir(out) as tmp:
         save_hf_model(state, config, tmp, dtype, generation_config=generation_config)
         for path in sorted(source.iterdir()):  # tokenizer, chat template, where the weights came from

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama 3.x / Qwen2.5 / Qwen3) and named presets."""
+"""Decoder-only transformer (the families of docs/models.md) and named presets."""
 
 from posttrain.models.args import SUPPORTED_MODEL_TYPES, ModelArgs, ModelConfigError
 from posttrain.models.attention import document_mask

@@ -226,3 +226,14 @@ def test_phi3_lora_default_targets_take_the_fused_modules():
         assert (model.logits(model(x)) - hf_merged(x).logits).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match="lora.targets: q_proj alone cannot take an adapter in phi3"):
         apply_lora(copy.deepcopy(ours), rank=2, alpha=4, targets=("q_proj", "o_proj"))
+
+
+def test_pruning_keeps_each_kept_layers_rope_and_window(tmp_path):
+    """SmolLM3's no_rope_layers and layer_types have an entry per layer: a pruned student keeps its layers'."""
+    from posttrain.model_files.prune import prune
+
+    hf = hf_model(FAMILIES["smollm3"])  # rope, none, rope, none
+    hf.save_pretrained(tmp_path / "src")
+    prune(tmp_path / "src", tmp_path / "out", 2)  # layers 0 and 3
+    student = load_hf_model(tmp_path / "out")
+    assert student.layer_rope == ["global", None]
