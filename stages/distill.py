@@ -62,7 +62,7 @@ from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
 
 STAGE = "distill"
-READS = ("seed", "model.policy", "model.student", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "distill")
+READS = ("seed", "model.policy", "model.student", "model.dtype", "model.backend", "data.max_seq_len", "memory", "parallel", "reward.verifiers", "distill")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "teacher": "teacher: distill.teacher_stage's output, or the stage before distill in `pipeline` (absent: model.policy)",

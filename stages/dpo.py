@@ -51,7 +51,7 @@ from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
 
 STAGE = "dpo"
-READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
+READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_len", "data.truncation", "memory", "parallel", "dpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "model": "starting model (also the reference): the output of the stage before dpo in `pipeline` (absent: model.policy)",

@@ -77,7 +77,7 @@ from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
 
 STAGE = "grpo"
-READS = ("seed", "model.policy", "model.dtype", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
+READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
          "reward_model.source", "reward_model.normalize", "grpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",

@@ -29,7 +29,7 @@ from posttrain.training.held_out import held_out_means
 from posttrain.training.setup import model_config
 
 STAGE = "sft"
-READS = ("seed", "model.policy", "model.dtype", "memory", "parallel", "sft")  # what its key covers
+READS = ("seed", "model.policy", "model.dtype", "model.backend", "memory", "parallel", "sft")  # what its key covers
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "model": "starting model: the output of the stage before sft in `pipeline` (absent: model.policy)",

@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from posttrain.models import Transformer
+from posttrain.models.args import ModelConfigError, model_backend
+from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
 from posttrain.models.lora import merge_peft_adapter
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -132,10 +134,10 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_state_into(model: Transformer, tensors: dict[str, torch.Tensor], source: str) -> None:
+def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy checkpoint tensors into the model, refusing any missing, unexpected or misshapen tensor."""
     expected = dict(model.state_dict())
-    if model.args.tie_word_embeddings:
+    if model.tied_head if isinstance(model, HFCausalLM) else model.args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(tensors))
@@ -159,12 +161,18 @@ def load_hf_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     revision: str | None = None,
-) -> Transformer:
+    backend: str = "native",
+) -> Transformer | HFCausalLM:
     """Build the model from a folder's config.json on the meta device, then fill it from safetensors
-    (an adapter-only folder: its base's, merged with the adapter)."""
+    (an adapter-only folder: its base's, merged with the adapter). `backend` is `model.backend`: on the
+    transformers backend, transformers builds the model (on CPU, random init first) and the same tensors fill it."""
     folder = resolve_model_source(source, revision)
     config = read_hf_config(folder)
     tensors = model_tensors(folder)
+    if backend != "native" and _backend(config, backend, folder) == "transformers":
+        model = build_transformers_model(config, str(folder / "config.json"))
+        load_state_into(model, tensors, str(folder))
+        return model.to(device, dtype)
     with torch.device("meta"):
         try:
             model = Transformer(config)
@@ -175,6 +183,14 @@ def load_hf_model(
     model.init_weights(buffers_only=True)
     load_state_into(model, tensors, str(folder))
     return model.to(dtype)
+
+
+def _backend(config: dict[str, Any], backend: str, folder: Path) -> str:
+    """`model_backend`, its refusal a `CheckpointError` naming the folder's config.json."""
+    try:
+        return model_backend(config, backend, str(folder / "config.json"))
+    except ModelConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -234,7 +250,8 @@ def write_hf_config(hf_config: dict[str, Any], out_dir: str | os.PathLike, dtype
     config = {**{k: v for k, v in hf_config.items() if k != "quantization_config"},
               "torch_dtype": str(dtype).removeprefix("torch.")}
     config["dtype"] = config["torch_dtype"]
-    config.setdefault("architectures", [_ARCHITECTURES[config["model_type"]]])
+    if "architectures" not in config:
+        config["architectures"] = [architecture(config["model_type"])]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
     gen.update(generation_config or {})
@@ -245,6 +262,15 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwe
                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "mistral": "MistralForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def architecture(model_type: str) -> str:
+    """The CausalLM class name a config.json of `model_type` names: ours, else transformers' own."""
+    if model_type in _ARCHITECTURES:
+        return _ARCHITECTURES[model_type]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def folder_tool(name: str, write: Callable[[], Path], record: str) -> int:

@@ -36,6 +36,36 @@ class ModelConfigError(ValueError):
     """A config.json the decoder cannot represent."""
 
 
+BACKENDS = ("auto", "native", "transformers")
+
+
+def model_backend(hf_config: dict[str, Any], backend: str, source: str = "config.json") -> str:
+    """Which model code runs `hf_config` under `model.backend`: "native" or "transformers".
+
+    auto: the native port where one exists, else transformers' own model class for the model_type.
+    Refused: remote code (`auto_map`), a model_type transformers has no causal LM for, `native` for a
+    family without a port. transformers is imported only for an unported type, so the default dry run stays light.
+    """
+    if backend not in BACKENDS:
+        raise ModelConfigError(f"model.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if hf_config.get("auto_map"):
+        raise ModelConfigError(f"{source}: the model needs remote code (auto_map={sorted(hf_config['auto_map'])}); "
+                               "posttrain never runs trust_remote_code models")
+    model_type = hf_config.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES and backend != "transformers":
+        return "native"
+    if backend == "native":
+        raise ModelConfigError(f"{source}: model_type {model_type!r} has no native port (ported: "
+                               f"{', '.join(SUPPORTED_MODEL_TYPES)}); set model.backend: auto or transformers "
+                               "to run it on transformers' own model code")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelConfigError(f"{source}: model_type {model_type!r} is neither ported nor a causal LM transformers "
+                               f"builds (model.backend: {backend})")
+    return "transformers"
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     model_type: str

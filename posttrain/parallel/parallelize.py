@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.models.args import ModelArgs, ModelConfigError
+from posttrain.models.hf_backend import HFCausalLM
 from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
 from posttrain.parallel.context_parallel import apply_context_parallel
 from posttrain.parallel.distributed import data_parallel_mesh, mesh_size
@@ -62,8 +63,19 @@ from posttrain.parallel.expert_parallel import (
 COMPILE_MODES = (None, "blocks", "model")
 
 
-def _blocks(model: nn.Module) -> nn.ModuleDict:
-    return model.model.layers
+def _blocks(model: nn.Module) -> nn.ModuleDict | nn.ModuleList:
+    """The decoder layers: ours keyed "0".."N-1", a transformers model's in its own module list."""
+    return model.blocks() if isinstance(model, HFCausalLM) else model.model.layers
+
+
+def _refuse_transformers_sharding(model: nn.Module, parallel_cfg: Mapping[str, Any]) -> None:
+    """The transformers backend shards with FSDP2 only: its layouts are not in the TP/CP/EP plans."""
+    if not isinstance(model, HFCausalLM):
+        return
+    for key in ("tp", "cp", "ep"):
+        if int(parallel_cfg.get(key, 1)) > 1:
+            raise ModelConfigError(f"parallel.{key}={parallel_cfg[key]}: the transformers backend "
+                                   f"({model.hf_config.get('model_type')}) shards with FSDP2 only; set parallel.{key}=1")
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -146,9 +158,9 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
     if every == 0:
         return
     blocks = _blocks(model)
-    for i, (name, block) in enumerate(list(blocks.items())):
+    for i, (name, block) in enumerate(list(blocks.named_children())):
         if i % every == 0:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
 def apply_compile(model: nn.Module, mode: str | None) -> None:
@@ -159,7 +171,7 @@ def apply_compile(model: nn.Module, mode: str | None) -> None:
     if mode not in COMPILE_MODES:
         raise ValueError(f"memory.compile must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "blocks":
-        for block in _blocks(model).values():
+        for block in _blocks(model).children():
             block.compile()
     elif mode == "model":
         model.compile()
@@ -179,7 +191,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool,
         if mixed_precision
         else MixedPrecisionPolicy()
     )
-    blocks = list(_blocks(model).values())
+    blocks = list(_blocks(model).children())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keep them gathered.
         reshard = i < len(blocks) - 1
@@ -202,6 +214,7 @@ def parallelize(
     Mixed precision needs FSDP2 and a CUDA device; on CPU it is ignored (float32).
     """
     parallel_cfg = parallel_cfg or {}
+    _refuse_transformers_sharding(model, parallel_cfg)
     if mesh is None and any(parallel_cfg.get(k, 1) > 1 for k in ("tp", "dp_replicate", "ep", "cp")):
         raise ValueError("parallel.tp / dp_replicate / ep / cp > 1 need a device mesh (launch with torchrun)")
     if mesh_size(mesh, "cp") > 1:

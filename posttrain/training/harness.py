@@ -49,7 +49,7 @@ from posttrain.training.optimization import Optimization
 from posttrain.training.checkpointer import Checkpointer, ResumePoint, remove_resume_state
 from posttrain.training.selection import Selection
 from posttrain.training.signals import StopOnSignal
-from posttrain.training.setup import build_model, seed_everything
+from posttrain.training.setup import backend_of, build_model, seed_everything
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
 
 
@@ -108,6 +108,7 @@ class StageRun:
         self._resumed: ResumePoint | None = None
         self._record: tuple[dict[str, Any], dict[str, str]] | None = None
         self._policy: dict[str, str] = {}  # model.policy -> its folder, resolved once
+        self.backend = "native"  # the trained model's code (`model.backend` decided), in posttrain.json
 
     # --- setup ---
 
@@ -128,6 +129,7 @@ class StageRun:
         """The trained model from `source` (a preset, an HF folder or a hub id), on this run's mesh; refuses the
         stage's `method` and `save` where the dry run would (`check_adapters`)."""
         self.check_adapters(method, source)
+        self.backend = backend_of(source, hf_config, self.cfg["model"]["backend"])
         return build_model(source, hf_config, self.info, self.mesh, self.cfg, method, lora)
 
     def check_adapters(self, method: str, source: str | None) -> None:
@@ -315,6 +317,7 @@ class StageRun:
         the resume state, leave the process group."""
         self.metrics.close()
         summary = {**summary, **self.selection_summary()} if self.memory is not None else summary
+        summary = {**summary, "backend": self.backend}
         save_final_model(
             self.out, model, hf_config=hf_config, tokenizer=self.tokenizer, cfg=self.cfg, started=self.started,
             summary=summary, metrics_path=self.checkpointer.metrics_path, is_main=self.is_main, base_model=base_model,

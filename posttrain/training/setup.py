@@ -26,6 +26,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from posttrain.model_files import load_hf_model, read_hf_config, resolve_model_source
 from posttrain.models import ModelConfigError, Transformer, is_preset, preset_config
+from posttrain.models.args import model_backend
+from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
 from posttrain.models.lora import apply_lora
 from posttrain.optim import build_lr_scheduler, build_optimizer
 from posttrain.parallel import DistInfo, load_full_state_dict, materialize, parallelize
@@ -69,12 +71,22 @@ def initial_state(source: str | None, hf_config: dict[str, Any], seed: int) -> d
     return initial_model(source, hf_config, seed).state_dict()
 
 
-def initial_model(source: str | None, hf_config: dict[str, Any], seed: int) -> Transformer:
-    """The full model every stage starting from `source` begins with, on CPU (also what `eval.base` evaluates)."""
+def backend_of(source: str | None, hf_config: dict[str, Any], backend: str) -> str:
+    """`model.backend` decided for `hf_config` ("native" or "transformers"), refusals naming the folder's config.json."""
+    where = "config.json" if source is None or is_preset(source) else str(resolve_model_source(source) / "config.json")
+    return model_backend(hf_config, backend, where)
+
+
+def initial_model(source: str | None, hf_config: dict[str, Any], seed: int,
+                  backend: str = "native") -> Transformer | HFCausalLM:
+    """The full model every stage starting from `source` begins with, on CPU (also what `eval.base` evaluates);
+    `backend` is `model.backend`."""
     if source is None or is_preset(source):
         torch.manual_seed(seed)
+        if backend_of(source, hf_config, backend) == "transformers":
+            return build_transformers_model(hf_config)
         return Transformer(hf_config)
-    return load_hf_model(source)
+    return load_hf_model(source, backend=backend)
 
 
 def build_model(
@@ -85,19 +97,21 @@ def build_model(
     cfg: Mapping[str, Any],
     method: str = "full",
     lora_cfg: Mapping[str, Any] | None = None,
-) -> Transformer:
+) -> Transformer | HFCausalLM:
     """The model from `source` with `method`'s adapters, parallelized per `cfg['memory']`/`cfg['parallel']`.
 
     `source` None or a preset: random init of `hf_config` (seeded by `cfg['seed']`); else a folder
     or hub id whose weights fill `hf_config`'s architecture (`model_config(source, ...)`).
     `method`: full (every weight trains), lora, or qlora (NF4 frozen base); `lora_cfg` is the
-    stage's `lora` section. Every rank calls this.
+    stage's `lora` section; `cfg['model']['backend']` picks the model code. Every rank calls this.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     seed = int(cfg["seed"])
-    if mesh is None or method == "qlora":
-        model = initial_model(source, hf_config, seed).to(info.device)
+    backend = cfg["model"]["backend"]
+    if mesh is None or method == "qlora" or backend_of(source, hf_config, backend) == "transformers":
+        # transformers' models are built whole on every rank (no meta-device build), then sharded.
+        model = initial_model(source, hf_config, seed, backend).to(info.device)
         add_adapters(model, method, lora_cfg)
         return parallelize(model, mesh, cfg["memory"], cfg["parallel"])
     with torch.device("meta"):

@@ -28,3 +28,13 @@ def preset_names() -> tuple[str, ...]:
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(_leaf("args").SUPPORTED_MODEL_TYPES)
+
+
+def backend_problem(hf_config: dict, backend: str, source: str) -> str | None:
+    """Why `model.backend` cannot run `hf_config` (`args.model_backend`'s refusal), or None."""
+    args = _leaf("args")
+    try:
+        args.model_backend(hf_config, backend, source)
+    except args.ModelConfigError as e:
+        return str(e)
+    return None

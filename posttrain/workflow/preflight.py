@@ -60,7 +60,7 @@ from posttrain.rules import (
 )
 from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
 from posttrain.workflow.inputs import code_search_path
-from posttrain.workflow.model_names import preset_names, supported_model_types
+from posttrain.workflow.model_names import backend_problem, preset_names
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, on every stage's PYTHONPATH
 
@@ -220,11 +220,11 @@ def _hub_file(repo_id: str, filename: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def model_source_problem(source: str, model: bool = True) -> str | None:
+def model_source_problem(source: str, model: bool = True, backend: str = "auto") -> str | None:
     """What is wrong with a model source (`model`; else a tokenizer's): a preset, a local folder, or a hub id.
 
-    A folder (or a hub id in the local cache) must hold a config.json of an architecture the model code
-    builds; a bare name is a preset (a close one is suggested) unless the cache knows it as a hub id.
+    A folder (or a hub id in the local cache) must hold a config.json of an architecture `backend`
+    (`model.backend`) builds; a bare name is a preset (a close one is suggested) unless the cache knows it as a hub id.
     """
     path = Path(source).expanduser()
     if source in preset_names():
@@ -232,7 +232,7 @@ def model_source_problem(source: str, model: bool = True) -> str | None:
     if path.exists():
         if not path.is_dir():
             return f"{source}: a model source must be a folder (config.json + *.safetensors)"
-        return _architecture_problem(source, path / "config.json") if model else None
+        return _architecture_problem(source, path / "config.json", backend) if model else None
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         return f"{source}: no such folder"
     config = _hub_file(source, "config.json")
@@ -244,19 +244,19 @@ def model_source_problem(source: str, model: bool = True) -> str | None:
     if _offline() and config is None and _hub_file(source, "tokenizer.json") is None:
         return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where there "
                 "is network (`huggingface-cli download`) or name a local folder")
-    return _architecture_problem(source, config) if model and config is not None else None
+    return _architecture_problem(source, config, backend) if model and config is not None else None
 
 
-def _architecture_problem(source: str, config: Path) -> str | None:
+def _architecture_problem(source: str, config: Path, backend: str) -> str | None:
     if not config.is_file():
         return f"{source}: no config.json; a model folder holds config.json and *.safetensors"
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        hf_config = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        hf_config = None
+    if not isinstance(hf_config, dict):
         return f"{config}: not a JSON object"
-    if model_type not in supported_model_types():
-        return f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
-    return None
+    return backend_problem(hf_config, backend, source)
 
 
 def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -405,7 +405,7 @@ def reward_model_problem(source: str) -> str | None:
     config = specs.read_json_config(config_path)
     if config is None:
         return f"{config_path}: no config.json (a JSON object) in the reward model's folder"
-    why = specs.sequence_classifier_problem(config, str(config_path)) or _architecture_problem(source, config_path)
+    why = specs.sequence_classifier_problem(config, str(config_path)) or _architecture_problem(source, config_path, "native")
     if why:
         return why
     if not (folder / "tokenizer.json").is_file():
@@ -498,7 +498,7 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     problems = []
     for key in ("policy", "student", "tokenizer"):
         source = cfg["model"].get(key)
-        why = model_source_problem(str(source), model=key != "tokenizer") if source else None
+        why = model_source_problem(str(source), model=key != "tokenizer", backend=cfg["model"]["backend"]) if source else None
         if why:
             problems.append((f"model.{key}", why))
     template = chat_template_problem(cfg) if not problems else None
