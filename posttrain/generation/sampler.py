@@ -1,4 +1,4 @@
-"""Batched sampling with a preallocated KV cache.
+"""Batched sampling with a KV cache (ours, preallocated; transformers' own for `HFCausalLM`).
 
 Ragged prompts are left-padded so every row decodes at the same cache index; padding is masked
 out of attention and position ids count real tokens only, which keeps each row's numerics those
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.models import KVCache, Transformer
+from posttrain.models.hf_backend import HFCausalLM
 
 
 @dataclass
@@ -71,9 +72,39 @@ def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
 
+CachedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cached_forward(model: Transformer | HFCausalLM, bsz: int, total: int, device: torch.device,
+                   dtype: torch.dtype) -> CachedForward:
+    """(new ids, their positions, valid positions so far [B, T]) -> the last position's logits, through a KV cache
+    of the model's kind: ours (preallocated, boolean masks) or transformers' own (`HFCausalLM.new_cache`)."""
+    if isinstance(model, HFCausalLM):
+        hf_cache = model.new_cache()
+
+        def hf_forward(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            return model.lm_head(model(ids, position_ids=positions, attn_mask=valid, kv_cache=hf_cache)[:, -1])
+
+        return hf_forward
+    cache = KVCache(model.args, bsz, total, device, dtype)
+
+    def native_forward(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if cache.length == 0:  # the prompts: causal over the valid positions
+            n = ids.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            eye = torch.eye(n, dtype=torch.bool, device=device)
+            # Pad queries attend to themselves only, so no softmax row is empty.
+            mask = ((causal & valid[:, None, :]) | eye)[:, None]
+        else:
+            mask = valid[:, None, None, :]
+        return model.lm_head(model(ids, position_ids=positions, attn_mask=mask, kv_cache=cache)[:, -1])
+
+    return native_forward
+
+
 @torch.inference_mode()
 def generate(
-    model: Transformer,
+    model: Transformer | HFCausalLM,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     pad_id: int = 0,
@@ -96,14 +127,8 @@ def generate(
         input_ids[i, prompt_len - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         valid[i, prompt_len - len(p) : prompt_len] = True
     positions = (valid[:, :prompt_len].long().cumsum(-1) - 1).clamp(min=0)
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
-    # Pad queries attend to themselves only, so no softmax row is empty.
-    mask = (causal & valid[:, None, :prompt_len]) | eye
-
-    cache = KVCache(model.args, bsz, total, device, dtype)
-    hidden = model(input_ids, position_ids=positions, attn_mask=mask[:, None], kv_cache=cache)
-    logits = model.lm_head(hidden[:, -1])
+    forward = cached_forward(model, bsz, total, device, dtype)
+    logits = forward(input_ids, positions, valid[:, :prompt_len])
     next_pos = positions[:, -1] + 1
 
     stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
@@ -126,10 +151,7 @@ def generate(
         if bool(done.all()) or step == params.max_new_tokens - 1:
             break
         valid[:, prompt_len + step] = True
-        hidden = model(
-            token[:, None], position_ids=next_pos[:, None], attn_mask=valid[:, None, None, : cache.length + 1], kv_cache=cache
-        )
-        logits = model.lm_head(hidden[:, -1])
+        logits = forward(token[:, None], next_pos[:, None], valid[:, : prompt_len + step + 1])
         next_pos = next_pos + 1
 
     tokens, logprobs, reasons = [], [], []

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from posttrain.models import Transformer
 from posttrain.models.args import ModelConfigError, model_backend
-from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
+from posttrain.models.hf_backend import HFCausalLM, check_head_parity, transformers_config
 from posttrain.models.lora import merge_peft_adapter
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -168,11 +168,9 @@ def load_hf_model(
     transformers backend, transformers builds the model (on CPU, random init first) and the same tensors fill it."""
     folder = resolve_model_source(source, revision)
     config = read_hf_config(folder)
-    tensors = model_tensors(folder)
     if backend != "native" and _backend(config, backend, folder) == "transformers":
-        model = build_transformers_model(config, str(folder / "config.json"))
-        load_state_into(model, tensors, str(folder))
-        return model.to(device, dtype)
+        return load_transformers_model(folder, config).to(device, dtype)
+    tensors = model_tensors(folder)
     with torch.device("meta"):
         try:
             model = Transformer(config)
@@ -183,6 +181,26 @@ def load_hf_model(
     model.init_weights(buffers_only=True)
     load_state_into(model, tensors, str(folder))
     return model.to(dtype)
+
+
+def load_transformers_model(folder: Path, config: dict[str, Any]) -> HFCausalLM:
+    """transformers' `from_pretrained` of a folder (safetensors only, float32, its own checkpoint renamings),
+    refusing missing, unexpected or misshapen tensors."""
+    from transformers import AutoModelForCausalLM
+
+    if is_adapter_folder(folder):
+        raise CheckpointError(f"{folder}: an adapter-only folder cannot start the transformers backend; "
+                              "save the stage's merged weights (<stage>.save: merged or both)")
+    weight_files(folder)  # refuses pickles with the reason
+    causal_lm, info = AutoModelForCausalLM.from_pretrained(
+        folder, config=transformers_config(config, str(folder / "config.json")), dtype=torch.float32,
+        use_safetensors=True, output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if info.get(kind):
+            raise CheckpointError(f"{folder}: {kind.replace('_', ' ')} {sorted(map(str, info[kind]))[:3]}")
+    model = HFCausalLM(causal_lm, config)
+    check_head_parity(model, str(folder / "config.json"))
+    return model
 
 
 def _backend(config: dict[str, Any], backend: str, folder: Path) -> str:

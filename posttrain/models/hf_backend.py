@@ -148,6 +148,13 @@ class HFCausalLM(nn.Module):
 
         return DynamicCache(config=self.causal_lm.config)
 
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full state dict under the names the model's checkpoints use (transformers renames some on load:
+        GPT-NeoX's embed_out is its lm_head), as `save_pretrained` writes them."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.causal_lm, dict(state))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits; only for short sequences (generation, tests). Training uses chunked losses."""
         return self.lm_head(hidden)

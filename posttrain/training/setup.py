@@ -109,7 +109,11 @@ def build_model(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     seed = int(cfg["seed"])
     backend = cfg["model"]["backend"]
-    if mesh is None or method == "qlora" or backend_of(source, hf_config, backend) == "transformers":
+    on_transformers = backend_of(source, hf_config, backend) == "transformers"
+    if on_transformers and method != "full":
+        raise ModelConfigError(f"method {method!r}: LoRA/QLoRA are not on the transformers backend "
+                               f"({hf_config.get('model_type')}) yet; use method: full")
+    if mesh is None or method == "qlora" or on_transformers:
         # transformers' models are built whole on every rank (no meta-device build), then sharded.
         model = initial_model(source, hf_config, seed, backend).to(info.device)
         add_adapters(model, method, lora_cfg)
