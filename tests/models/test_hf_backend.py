@@ -158,12 +158,13 @@ def test_sft_trains_the_family_and_writes_a_folder_transformers_loads(name, tmp_
     assert "packed rows run as per-document position ids" in proc.stderr
     losses = train_losses(metrics(tmp_path / "out"))
     summary = json.loads((tmp_path / "out" / "posttrain.json").read_text())
-    assert summary["summary"]["backend"] == "transformers", summary
-    assert summary["summary"]["eval_loss_after"] < summary["summary"]["eval_loss_before"], summary
+    assert summary["metrics"]["backend"] == "transformers", summary
+    assert summary["metrics"]["eval_loss_after"] < summary["metrics"]["eval_loss_before"], summary
     assert losses[-1] < losses[0], losses
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(loaded).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
-    written, state = weights(tmp_path / "out"), loaded.state_dict()
-    assert written and all(torch.equal(state[k], v) for k, v in written.items())
+    loaded.save_pretrained(tmp_path / "resaved")  # under the checkpoint names, as the stage writes them
+    written, resaved = weights(tmp_path / "out"), weights(tmp_path / "resaved")
+    assert set(written) == set(resaved) and all(torch.equal(resaved[k], v) for k, v in written.items())
     before = weights(folder)
     assert any(not torch.equal(before[k], v) for k, v in written.items())

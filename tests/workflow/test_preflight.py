@@ -143,7 +143,9 @@ def _model_folder(root: Path, model_type: str = "qwen3", template: bool = True) 
 
 BAD_INPUTS = {
     "preset typo": ("model: {policy: tinyy}\n", "model.policy: 'tinyy' is not a preset (did you mean 'tiny'?)"),
-    "architecture": ("model: {policy: gpt2-large}\n", "model.policy: gpt2-large: model_type 'gpt2' is not supported"),
+    # gpt2 runs on the transformers backend (model.backend: auto); backend: native has no port for it.
+    "architecture": ("model: {policy: gpt2-large, backend: native}\n",
+                     "model.policy: gpt2-large: model_type 'gpt2' has no native port"),
     "reward module": ("reward: {verifiers: ['no_such_module:score']}\n",
                       "reward.verifiers[0]: no_such_module:score: cannot import 'no_such_module'"),
     "data row": ("data: {sources: [{kind: preference, path: pairs.jsonl}]}\n",
