@@ -1,0 +1,171 @@
+"""Multi-turn environments: episodes are token-in/token-out (the model's tokens as sampled, the environment's turns
+as transformers' `apply_chat_template` renders them, the loss mask on the model's tokens only), tool calls parse
+in the template's convention, the built-in tools answer, and the Python sandbox turns every escape into an error
+observation while the run goes on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.envs import BUILTIN_ENVIRONMENTS, load_environment, run_episodes
+from posttrain.envs.builtin import Calculator, GuessNumber, Python, calculate
+from posttrain.envs.sandbox import Limits, run_python
+from posttrain.envs.tool_calls import format_call, parse_assistant
+from posttrain.generation import GenerationOutput
+from posttrain.generation.sampler import SamplingParams
+from posttrain.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer, set_chat_template, train_bpe_tokenizer
+
+QUESTIONS = {"What is 12*7?": "12*7", "What is 93-48?": "93-48"}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("tools-tokenizer")
+    texts = [f"{q} {format_call('calculate', {'expression': e})} #### 84 higher lower" for q, e in QUESTIONS.items()]
+    train_bpe_tokenizer(texts * 20, 400, folder)
+    set_chat_template(folder, CHATML_TOOLS_TEMPLATE)
+    return Tokenizer(folder)
+
+
+class Scripted:
+    """A backend that answers each episode's turns from a script: its turn texts, each ended by <|im_end|>, with
+    made-up log-probs; it finds the episode by the question in the prompt and the turn by the turns before."""
+
+    version = 0
+
+    def __init__(self, tok: Tokenizer, scripts: dict[str, list[str]]):
+        self.tok, self.scripts = tok, scripts
+        self.sampled: dict[str, list[list[int]]] = {q: [] for q in scripts}
+
+    def generate(self, prompts, params, seed):
+        tokens = []
+        for prompt in prompts:
+            text = self.tok.decode(prompt, skip_special_tokens=False)
+            question = next(q for q in self.scripts if q in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            ids = self.tok.encode(self.scripts[question][turn]) + [self.tok.eos_id]
+            self.sampled[question].append(ids)
+            tokens.append(ids)
+        return GenerationOutput(tokens, [[-0.25 - 0.01 * k for k in range(len(t))] for t in tokens], ["stop"] * len(tokens))
+
+
+def _hf(tok: Tokenizer):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tok.folder)
+
+
+def test_trajectories_are_the_templates_rendering_and_the_mask_is_the_models_tokens(tok):
+    scripts = {q: [format_call("calculate", {"expression": e}), f"#### {calculate(e)}"] for q, e in QUESTIONS.items()}
+    backend = Scripted(tok, scripts)
+    envs = [Calculator({"prompt": q, "answer": calculate(e)}) for q, e in QUESTIONS.items()]
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=tok.eos_ids)
+    trajectories = run_episodes(backend, tok, params, envs, seed=0, max_turns=4, max_tokens=400)
+    hf = _hf(tok)
+    for (question, expression), traj in zip(QUESTIONS.items(), trajectories):
+        assert traj.finish_reason == "stop" and traj.turns == 2 and traj.tool_calls == 1 and traj.invalid_tool_calls == 0
+        assert traj.messages[2] == {"role": "tool", "name": "calculate", "content": calculate(expression)}
+        assert traj.final_text == f"#### {calculate(expression)}"
+        # the whole trajectory decodes to transformers' rendering of its conversation (the template's newline after
+        # the last <|im_end|> was never sampled)
+        rendered = hf.apply_chat_template(traj.messages, tools=envs[0].tools(), tokenize=False)
+        assert tok.decode(traj.prompt_ids + traj.tokens, skip_special_tokens=False) + "\n" == rendered
+        prompt = hf.apply_chat_template(traj.messages[:1], tools=envs[0].tools(), tokenize=True, add_generation_prompt=True)
+        assert traj.prompt_ids == list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        # the mask covers exactly the sampled tokens, in order, with the sampler's log-probs
+        sampled = [t for t, m in zip(traj.tokens, traj.mask) if m]
+        assert sampled == [t for turn in backend.sampled[question] for t in turn]
+        assert [lp for lp, m in zip(traj.logprobs, traj.mask) if m] == [
+            -0.25 - 0.01 * k for turn in backend.sampled[question] for k in range(len(turn))]
+        assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask) if not m) and not all(traj.mask)
+        assert len(traj.tokens) == len(traj.mask) == len(traj.logprobs)
+
+
+def test_guess_the_number_needs_the_environments_replies(tok):
+    env = GuessNumber({"id": "row-3", "prompt": "unused"}, high=16)
+    guesses, low, high = [], 1, 16
+    while True:  # binary search, as a model that reads the replies would
+        guess = (low + high) // 2
+        guesses.append(guess)
+        if guess == env.secret:
+            break
+        low, high = (guess + 1, high) if guess < env.secret else (low, guess - 1)
+    question = env.messages()[0]["content"]
+    backend = Scripted(tok, {question: [str(g) for g in guesses]})
+    traj, = run_episodes(backend, tok, SamplingParams(max_new_tokens=8, stop_token_ids=tok.eos_ids), [env], seed=0,
+                         max_turns=8, max_tokens=400)
+    assert traj.env_reward == 1.0 and traj.turns == len(guesses) and traj.finish_reason == "stop"
+    replies = [m["content"] for m in traj.messages if m["role"] == "user"][1:]
+    assert replies == ["higher" if g < env.secret else "lower" for g in guesses[:-1]]
+    # the same game with a turn cap below what it takes: no reward, ended by the cap
+    short = GuessNumber({"id": "row-3", "prompt": "unused"}, high=16)
+    capped, = run_episodes(Scripted(tok, {question: [str(g) for g in guesses]}), tok,
+                           SamplingParams(max_new_tokens=8, stop_token_ids=tok.eos_ids), [short], seed=0,
+                           max_turns=1, max_tokens=400)
+    assert len(guesses) == 1 or (capped.env_reward == 0.0 and capped.finish_reason == "turns" and capped.turns == 1)
+
+
+def test_tool_calls_parse_in_the_templates_convention():
+    message, invalid = parse_assistant('Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+2"}}'
+                                       '\n</tool_call>\n<tool_call>{"name": 3}</tool_call><tool_call>{"name": "x", ')
+    assert message == {"role": "assistant", "content": "Let me compute.",
+                       "tool_calls": [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": "2+2"}}}]}
+    assert invalid == 2  # a name that is not a string, and a block never closed
+    assert parse_assistant("#### 4") == ({"role": "assistant", "content": "#### 4"}, 0)
+
+
+def test_tool_errors_are_observations():
+    env = Calculator({"prompt": "p"})
+    reply = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "calculate", "arguments": {"expression": "1/0"}}},
+        {"function": {"name": "search", "arguments": {}}},
+        {"function": {"name": "calculate", "arguments": {"expr": "1"}}},
+        {"function": {"name": "calculate", "arguments": '{"expression": "6*7"}'}}]})
+    assert [m["content"] for m in reply.messages] == ["error: division by zero", "error: no tool 'search'; tools: calculate",
+                                                      "error: calculate takes expression", "42"]
+    assert not reply.done and env.step({"role": "assistant", "content": "#### 42"}).done
+    assert calculate("9**9**9").startswith("error: Pow is not supported")
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("while True: pass", "error: the code ran past its 2 s limit"),
+    ("x = bytearray(4 * 1024**3)", "error: MemoryError: the code tried to use more than 512 MB"),
+    ("open('/tmp/posttrain-sandbox-escape', 'w').write('x')", "error: PermissionError: sandbox: writing /tmp/posttrain-sandbox-escape"),
+    ("import socket; socket.create_connection(('127.0.0.1', 9))", "error: PermissionError: sandbox: socket."),
+    ("import subprocess; subprocess.run(['ls'])", "error: PermissionError: sandbox: subprocess.Popen is not allowed"),
+    ("import os; os.remove('/etc/hostname')", "error: PermissionError: sandbox: os.remove of /etc/hostname"),
+    ("raise ValueError('boom')", "error: ValueError: boom"),
+])
+def test_sandbox_turns_escapes_into_error_observations(code, expected):
+    result = run_python(code, Limits(timeout_s=2))
+    assert result.startswith(expected), result
+    assert not Path("/tmp/posttrain-sandbox-escape").exists()
+
+
+def test_sandbox_runs_code_in_its_own_folder_and_the_episode_goes_on():
+    assert run_python("open('a.txt', 'w').write('hi'); print(open('a.txt').read(), 6 * 7)") == "hi 42"
+    assert run_python("print('x' * 50)", Limits(output_chars=10)).startswith("xxxxxxxxxx\n... (output cut")
+    env = Python({"prompt": "p"}, timeout_s=2)
+    reply = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "run_python", "arguments": {"code": "while True: pass"}}},
+        {"function": {"name": "run_python", "arguments": {"code": "print(2 ** 10)"}}}]})
+    assert [m["content"] for m in reply.messages] == ["error: the code ran past its 2 s limit and was stopped", "1024"]
+
+
+def test_user_environments_load_from_a_file(tmp_path):
+    (tmp_path / "myenv.py").write_text(
+        "from posttrain.envs import Environment, Reply\n"
+        "class Echo(Environment):\n"
+        "    def step(self, message):\n"
+        "        return Reply(reward=float(message['content'] == self.example['answer']), done=True)\n"
+        "def not_an_env():\n    pass\n")
+    cls = load_environment("myenv.py:Echo", tmp_path)
+    assert cls({"prompt": "p", "answer": "4"}).step({"role": "assistant", "content": "4"}).reward == 1.0
+    with pytest.raises(TypeError, match="is not a subclass of posttrain.envs.Environment"):
+        load_environment("myenv.py:not_an_env", tmp_path)
+    with pytest.raises(ImportError, match="environment 'nope.py:X': no such file"):
+        load_environment("nope.py:X", tmp_path)
+    assert set(BUILTIN_ENVIRONMENTS) == {"calculator", "python", "guess_number"}
