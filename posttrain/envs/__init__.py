@@ -1,5 +1,6 @@
 """Multi-turn environments for RL: the interface (`base`), tool calls (`tool_calls`), the sandbox, the built-ins,
-and episodes as token-in/token-out trajectories (`episodes`)."""
+and episodes as token-in/token-out trajectories (`posttrain.envs.episodes`, which needs torch; this package
+itself does not, so the dry run loads environments without it)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ from typing import Any
 
 from posttrain.envs.base import Environment, Reply, ToolEnvironment, tool_schema
 from posttrain.envs.builtin import BUILTIN_ENVIRONMENTS
-from posttrain.envs.episodes import Trajectory, run_episodes
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "Environment", "Reply", "ToolEnvironment", "Trajectory", "load_environment",
-           "run_episodes", "tool_schema"]
+__all__ = ["BUILTIN_ENVIRONMENTS", "Environment", "Reply", "ToolEnvironment", "load_environment", "tool_schema"]
 
 
 def load_environment(fn: str, workdir: str | os.PathLike | None = None) -> type[Environment]:

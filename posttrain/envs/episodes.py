@@ -87,7 +87,7 @@ def run_episodes(backend: GenerationBackend, tok: Tokenizer, params: SamplingPar
         turn_params = SamplingParams(max_new_tokens=width, temperature=params.temperature, top_k=params.top_k,
                                      top_p=params.top_p, stop_token_ids=params.stop_token_ids)
         out = backend.generate([trajectories[i].prompt_ids + trajectories[i].tokens for i in active], turn_params,
-                               seed * 1000 + turn)
+                               (seed + turn * 1_000_003) % 2**63)  # turn 0: the single-turn seed
         for slot, i in enumerate(active):
             traj, env = trajectories[i], environments[i]
             sampled, logprobs = out.tokens[slot][: budget[i]], out.logprobs[slot][: budget[i]]

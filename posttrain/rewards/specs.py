@@ -24,7 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-BUILTIN_VERIFIERS = ("task", "math", "number", "list", "format", "reasoning_gym", "arithmetic", "sort", "reverse")
+BUILTIN_VERIFIERS = ("task", "math", "number", "list", "format", "reasoning_gym", "environment", "arithmetic", "sort",
+                     "reverse")
 ENTRY_KEYS = ("fn", "weight", "batched")
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from posttrain.envs import BUILTIN_ENVIRONMENTS, load_environment, run_episodes
+from posttrain.envs import BUILTIN_ENVIRONMENTS, load_environment
+from posttrain.envs.episodes import run_episodes
 from posttrain.envs.builtin import Calculator, GuessNumber, Python, calculate
 from posttrain.envs.sandbox import Limits, run_python
 from posttrain.envs.tool_calls import format_call, parse_assistant
@@ -169,3 +170,52 @@ def test_user_environments_load_from_a_file(tmp_path):
     with pytest.raises(ImportError, match="environment 'nope.py:X': no such file"):
         load_environment("nope.py:X", tmp_path)
     assert set(BUILTIN_ENVIRONMENTS) == {"calculator", "python", "guess_number"}
+
+
+def test_micro_batches_train_only_the_models_tokens():
+    import torch
+
+    from posttrain.losses.chunked import IGNORE_INDEX
+    from posttrain.rl.batch import micro_batches
+    from posttrain.rl.rollout import RolloutGroup
+
+    group = RolloutGroup(prompt_ids=[1, 2], example={}, completions=[[5, 6, 7, 8, 9]],
+                         logprobs=[[-0.1, -0.2, 0.0, 0.0, -0.3]], finish_reasons=["stop"], rewards=[1.0],
+                         correct=[True], version=0, masks=[[True, True, False, False, True]])
+    batch, = micro_batches([group], torch.tensor([1.0]), size=1, pad_id=0)
+    # position t predicts token t + 1: the environment's tokens 7 and 8 are context, never targets
+    assert batch.targets[0].tolist() == [IGNORE_INDEX, 5, 6, IGNORE_INDEX, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert batch.input_ids[0].tolist() == [1, 2, 5, 6, 7, 8, 9]
+    assert batch.mask[0].sum() == 3
+
+
+@pytest.mark.slow
+def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path):
+    """GRPO with guess-the-number from a briefly fine-tuned policy (it answers with numbers and ends its turns;
+    `format` beside the game's reward gives the groups a signal):
+    episodes take several turns (the environment answers until the number is found), the metrics say so, and
+    the run trains and writes its output."""
+    from grpo_testing import grpo_config, run_grpo, step_records
+    from sft_testing import prepare_data, resolved_config, run_sft
+    from torch import equal as torch_equal
+
+    data_cfg = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 2}], "n_sft": 200, "n_preference": 4,
+                "n_prompts": 32, "n_eval": 8, "max_seq_len": 48, "vocab_size": 300}
+    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
+    sft = resolved_config("sft", "env-start", data=data_cfg, sft={"steps": 60, "batch_size": 16, "lr": 3e-3,
+                                                                  "warmup_steps": 5, "checkpoint_every": 1000})
+    policy = tmp_path / "sft"
+    run_sft(sft, data, policy)
+    cfg = grpo_config("env", data=data_cfg, reward={"verifiers": ["environment", "format"]}, steps=2, prompts_per_step=4,
+                      group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100, log_every=1, lr=1e-3)
+    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 80, "args": {"high": 4}}
+    out = tmp_path / "grpo"
+    run_grpo(cfg, data, policy, out)
+    records = step_records(out)
+    assert len(records) == 2
+    assert all(r["turns_mean"] > 1.5 for r in records), [r["turns_mean"] for r in records]
+    assert all(r["tool_calls_mean"] == 0 for r in records)  # the game offers no tools
+    from sft_testing import weights
+
+    trained, start = weights(out), weights(policy)
+    assert any(not torch_equal(trained[k], start[k]) for k in start)  # the policy's own tokens were trained on
