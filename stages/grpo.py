@@ -71,6 +71,7 @@ from posttrain.rl.critic import build_critic
 from posttrain.rl.prompts import eval_prompts, prompt_count, training_prompts
 from posttrain.rl.rollout import EpisodeSettings, WorkerSpec
 from posttrain.rl.step import CriticBaseline, GRPOStep, GroupBaseline
+from posttrain.rl.weights import WeightSyncError, check_logprob_gap
 from posttrain.rules import ppo_problems, prompt_split_problem
 from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
@@ -152,6 +153,7 @@ def main() -> None:
                 generate_s=rollouts.generate_s, train_s=time.perf_counter() - t_train, step_s=seconds,
                 **collection.step_metrics(),
             )
+            check_logprob_gap(record["logprob_gap_mean"], record["staleness"], grpo["max_logprob_gap"], rollouts.version)
             history.append(record)
             run.log_step(record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
         collected = collection.summary()
@@ -174,4 +176,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(STAGE, main, extra_errors=(VerifierError,))
+    run_main(STAGE, main, extra_errors=(VerifierError, WeightSyncError))

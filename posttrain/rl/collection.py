@@ -48,7 +48,7 @@ from posttrain.parallel import broadcast_from_main
 from posttrain.rl.sync_collector import PromptFeed, SyncCollector
 from posttrain.rl.ray_collector import RayCollector, split_groups, start_ray
 from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, rollout_stats
-from posttrain.rl.weights import policy_weights
+from posttrain.rl.weights import check_digests, corrupted_for_test, policy_weights, weights_digest
 from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
 PromptLoader = Callable[[int, int], Batches]  # (rank, world size) -> the prompt batches of that shard
@@ -90,7 +90,7 @@ class _Draw:
 
 class _Collection:
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, device: torch.device, grpo: Mapping[str, Any]):
-        self.model, self.mesh, self.device = model, mesh, device
+        self.model, self.mesh, self.device, self.grpo = model, mesh, device, grpo
         self.version = 0  # the trainer's policy version: optimizer steps taken
         self.feed: PromptFeed | None = None
         self.ticket = 0
@@ -207,7 +207,20 @@ class SyncCollection(_Collection):
 
     def push_weights(self) -> None:
         self.version += 1
-        self.collector.push_weights(policy_weights(self.model, every_rank=True), self.version)
+        weights = policy_weights(self.model, every_rank=True)
+        self.collector.push_weights(corrupted_for_test(weights, self.version), self.version)
+        self._verify(weights)
+
+    def _verify(self, weights: dict[str, torch.Tensor]) -> None:
+        """The generator holds exactly the trainer's weights (`grpo.verify_weights`; the native backend, whose
+        weights this process can read; vLLM's are checked by the log-prob gap)."""
+        held = getattr(self.eval_worker.backend, "held_weights", None)
+        if not self.grpo["verify_weights"] or held is None:
+            return
+        generator = held()
+        dtypes = {name: generator[name].dtype for name in weights if name in generator}
+        check_digests(weights_digest(weights, dtypes), weights_digest({k: generator[k] for k in weights if k in generator}),
+                      self.version)
 
 
 class AsyncCollection(_Collection):

@@ -219,3 +219,20 @@ def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path)
 
     trained, start = weights(out), weights(policy)
     assert any(not torch_equal(trained[k], start[k]) for k in start)  # the policy's own tokens were trained on
+
+
+def test_the_plan_and_the_dry_run_with_an_environment(tmp_path, monkeypatch):
+    from posttrain.workflow.plan import build_plan
+    from posttrain.workflow.schema import ConfigError, load_config, merge, validate_config
+
+    base = merge(load_config(), {"ablations": None, "pipeline": ["sft", "grpo"]})
+    with_env = validate_config(merge(base, {"environment": {"fn": "calculator"}}))
+    stages = next(iter(build_plan(with_env).variants.values())).stages
+    assert "reward" not in stages and "reward" not in stages["grpo"].inputs  # episodes: the data's prompts split
+    assert "reward" in next(iter(build_plan(validate_config(base)).variants.values())).stages
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "env.py").write_text("class NotAnEnvironment:\n    pass\n")
+    with pytest.raises(ConfigError, match=r"environment.fn: environment 'env.py:NotAnEnvironment': .* is not a subclass"):
+        validate_config(merge(base, {"environment": {"fn": "env.py:NotAnEnvironment"}}))
+    with pytest.raises(ConfigError, match=r"environment.fn: environment 'calculater': not a built-in"):
+        validate_config(merge(base, {"environment": {"fn": "calculater"}}))
