@@ -10,15 +10,46 @@ template's rendering of the conversation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.envs import load_environment
 from posttrain.envs.base import Environment, Message
 from posttrain.envs.tool_calls import parse_assistant
 from posttrain.generation.backend import GenerationBackend
 from posttrain.generation.sampler import SamplingParams
 from posttrain.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The `environment` section: which environment class runs each episode, with what caps."""
+
+    fn: str
+    max_turns: int
+    max_tokens: int
+    args: tuple[tuple[str, Any], ...] = ()  # `environment.args`, as items (the spec stays hashable)
+    workdir: str | None = None
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any], workdir: str | None) -> EpisodeSettings | None:
+        """The settings of an `environment` config section; None when it names no environment."""
+        if not section.get("fn"):
+            return None
+        return cls(section["fn"], int(section["max_turns"]), int(section["max_tokens"]),
+                   tuple(sorted(dict(section.get("args") or {}).items())), workdir)
+
+    def load(self) -> type[Environment]:
+        return load_environment(self.fn, self.workdir)
+
+    def run(self, backend: GenerationBackend, tok: Tokenizer, params: SamplingParams,
+            examples: Sequence[Mapping[str, Any]], seed: int, cls: type[Environment] | None = None) -> list[Trajectory]:
+        """One episode per row of `examples`, each in a fresh environment (`cls`: the class, if loaded already)."""
+        cls = cls or self.load()
+        args = dict(self.args)
+        return run_episodes(backend, tok, params, [cls(e, **args) for e in examples], seed, self.max_turns,
+                            self.max_tokens)
 
 
 class TemplateError(ValueError):
@@ -40,6 +71,10 @@ class Trajectory:
     invalid_tool_calls: int = 0
     finish_reason: str = "stop"  # stop: the environment ended it; length: a token cap; turns: the turn cap
     done: bool = False
+
+    def counts(self) -> dict[str, float]:
+        """Turns, tool calls and malformed tool calls (what the step metrics and the evaluation average)."""
+        return {"turns": self.turns, "tool_calls": self.tool_calls, "invalid_tool_calls": self.invalid_tool_calls}
 
     @property
     def final_text(self) -> str:
@@ -126,3 +161,17 @@ def run_episodes(backend: GenerationBackend, tok: Tokenizer, params: SamplingPar
             traj.finish_reason, traj.done = "turns", True
     return trajectories
 
+
+
+def scored_rows(trajectories: Sequence[Trajectory], examples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows the verifiers score episodes with: each with its episode's `env_reward`."""
+    return [{**e, "env_reward": t.env_reward} for t, e in zip(trajectories, examples)]
+
+
+def episode_metrics(counts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Turns and tool calls per episode, and the share of tool-call blocks that did not parse, from episodes'
+    `Trajectory.counts()`."""
+    calls = sum(c["tool_calls"] + c["invalid_tool_calls"] for c in counts)
+    return {"turns_mean": sum(c["turns"] for c in counts) / len(counts),
+            "tool_calls_mean": sum(c["tool_calls"] for c in counts) / len(counts),
+            "invalid_tool_call_rate": sum(c["invalid_tool_calls"] for c in counts) / calls if calls else 0.0}

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from posttrain.envs import load_environment
-from posttrain.envs.episodes import Trajectory, run_episodes
+from posttrain.envs.episodes import EpisodeSettings, Trajectory, episode_metrics, scored_rows
 from posttrain.generation.backend import GenerationBackend, Weights, build_backend
 from posttrain.generation.sampler import SamplingParams
 from posttrain.rewards.reward_model import PretrainedRewardModel, load_reward_model, normalize_scores, score_sequences
@@ -128,24 +127,6 @@ class RewardFunction:
         return rewards, correct
 
 
-@dataclass(frozen=True)
-class EpisodeSettings:
-    """The `environment` section: which environment class runs each episode, with what caps."""
-
-    fn: str
-    max_turns: int
-    max_tokens: int
-    args: tuple[tuple[str, Any], ...] = ()  # `environment.args`, as items (the spec stays hashable)
-    workdir: str | None = None
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any], workdir: str | None) -> EpisodeSettings | None:
-        if not section.get("fn"):
-            return None
-        return cls(section["fn"], int(section["max_turns"]), int(section["max_tokens"]),
-                   tuple(sorted(dict(section.get("args") or {}).items())), workdir)
-
-
 class RolloutWorker:
     """Samples and scores rollout groups with one backend; the unit a generator actor wraps. With `episodes`, a
     completion is a multi-turn episode (`posttrain.envs`): the verifiers score its last model message, with the
@@ -156,7 +137,7 @@ class RolloutWorker:
         self.backend, self.tokenizer, self.params = backend, tokenizer, params
         self.group_size, self.reward_fn = group_size, reward_fn
         self.episodes = episodes
-        self.environment = load_environment(episodes.fn, episodes.workdir) if episodes else None
+        self.environment = episodes.load() if episodes else None
 
     @property
     def version(self) -> int:
@@ -179,15 +160,13 @@ class RolloutWorker:
 
     def run_episodes(self, examples: Sequence[Mapping[str, Any]], params: SamplingParams, seed: int) -> list[Trajectory]:
         """One episode per row of `examples`, each in a fresh environment."""
-        assert self.environment is not None and self.episodes is not None
-        args = dict(self.episodes.args)
-        return run_episodes(self.backend, self.tokenizer, params, [self.environment(e, **args) for e in examples],
-                            seed, self.episodes.max_turns, self.episodes.max_tokens)
+        assert self.episodes is not None
+        return self.episodes.run(self.backend, self.tokenizer, params, examples, seed, self.environment)
 
     def episode_rewards(self, trajectories: Sequence[Trajectory], examples: Sequence[Mapping[str, Any]],
                         group_size: int = 1) -> tuple[list[float], list[bool], list[dict[str, float]]]:
         """The verifiers' scores of each episode's last model message, its environment reward in the row."""
-        rows = [{**e, "env_reward": t.env_reward} for t, e in zip(trajectories, examples)]
+        rows = scored_rows(trajectories, examples)
         return self.reward_fn.scores([t.final_text for t in trajectories],
                                      [t.prompt_ids + t.tokens for t in trajectories], rows, group_size=group_size)
 
@@ -230,8 +209,7 @@ class RolloutWorker:
                 logprobs=[t.logprobs for t in part], finish_reasons=[t.finish_reason for t in part],
                 rewards=rewards[g * k : (g + 1) * k], correct=correct[g * k : (g + 1) * k], version=version,
                 index=int(index[g]), components=components[g * k : (g + 1) * k], masks=[t.mask for t in part],
-                episodes=[{"turns": t.turns, "tool_calls": t.tool_calls, "invalid_tool_calls": t.invalid_tool_calls}
-                          for t in part]))
+                episodes=[t.counts() for t in part]))
         return groups
 
 
@@ -257,10 +235,7 @@ def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     }
     episodes = [e for g in groups for e in g.episodes]
     if episodes:  # multi-turn: turns per episode, tool calls per episode, the share of them malformed
-        calls = sum(e["tool_calls"] + e["invalid_tool_calls"] for e in episodes)
-        stats.update(turns_mean=sum(e["turns"] for e in episodes) / len(episodes),
-                     tool_calls_mean=sum(e["tool_calls"] for e in episodes) / len(episodes),
-                     invalid_tool_call_rate=sum(e["invalid_tool_calls"] for e in episodes) / calls if calls else 0.0)
+        stats.update(episode_metrics(episodes))
     if all(len(g.components) == g.group_size for g in groups):
         values = [c for g in groups for c in g.components]
         for name in values[0]:

@@ -236,3 +236,33 @@ def test_the_plan_and_the_dry_run_with_an_environment(tmp_path, monkeypatch):
         validate_config(merge(base, {"environment": {"fn": "env.py:NotAnEnvironment"}}))
     with pytest.raises(ConfigError, match=r"environment.fn: environment 'calculater': not a built-in"):
         validate_config(merge(base, {"environment": {"fn": "calculater"}}))
+
+
+def test_the_evaluate_stage_scores_episodes(tmp_path, monkeypatch):
+    """With an environment, evaluate's greedy and sampled completions are episodes: guess-the-number scored by the
+    environment's reward, with turns and tool calls in its metrics."""
+    from eval_fixtures import run_stage, write_config
+    from posttrain.model_files import save_hf_model
+    from posttrain.models import Transformer, preset_config
+    from sft_testing import prepare_data, resolved_config
+
+    import torch
+
+    data_cfg = {"n_sft": 40, "n_preference": 4, "n_prompts": 4, "n_eval": 6, "max_seq_len": 48, "vocab_size": 300}
+    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
+    tok = Tokenizer(data / "tokenizer")
+    torch.manual_seed(0)
+    hf = preset_config("tiny-student", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    model = tmp_path / "model"
+    save_hf_model(Transformer(hf).state_dict(), hf, model)
+    from posttrain.utils.provenance import write_provenance
+    write_provenance(model, {"key": "m", "upstream": {}}, "sft", 0.0, {})
+    cfg = resolved_config("evaluate", "env-eval", data=data_cfg, reward={"verifiers": ["environment"]},
+                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 4, "lm_eval_tasks": []})
+    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 40, "args": {"high": 4}}
+    out = tmp_path / "eval"
+    run_stage("evaluate", ["--config", write_config(tmp_path / "eval.json", cfg), "--data", data, "--model", model,
+                           "--out", out], monkeypatch)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_prompts"] == 6 and 1 <= metrics["turns_mean"] <= 3 and metrics["tool_calls_mean"] == 0
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and "pass@2" in metrics
