@@ -58,7 +58,35 @@ class TokenizerError(ValueError):
     """A tokenizer folder that cannot be used."""
 
 
-NAMED_TEMPLATES = {"chatml": CHATML_TEMPLATE}  # `model.chat_template` values that name a template, not a file
+# ChatML with tools in the Hermes / Qwen convention: the tools' schemas in the system turn, an assistant's calls as
+# <tool_call> JSON blocks after its text, tool results as <tool_response> blocks in a user turn
+# (`posttrain.envs.tool_calls` parses what this renders).
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "# Tools\n\nThese functions can be called:\n<tools>"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, write <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>.' }}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{% if (message['content'] or '') or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+NAMED_TEMPLATES = {"chatml": CHATML_TEMPLATE, "chatml-tools": CHATML_TOOLS_TEMPLATE}  # names, not files
 
 
 def read_chat_template(value: str) -> str:

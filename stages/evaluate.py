@@ -9,6 +9,9 @@ On the first `eval.n_prompts` rows of the data's `eval` split (problems never tr
 - greedy completions -> `accuracy` (pass@1 of greedy decoding), `reward`, `response_len`;
 - `eval.samples` completions per prompt at `eval.temperature` -> `pass@k` for k in `eval.pass_k`
   (unbiased estimator, `posttrain.evaluation.passk`);
+- with `environment.fn`, each of these is a multi-turn episode (`posttrain.envs`; its last model message is
+  scored, with the environment's reward in the row) and `turns_mean`, `tool_calls_mean` and
+  `invalid_tool_call_rate` of the greedy episodes are added;
 - a completion is correct when the first of `reward.verifiers` gives it full credit; `reward` is
   the weighted sum of all of them (`posttrain.evaluation.task_metrics`, `posttrain.rewards.verifiers`:
   built-ins, `module:function`, `path/file.py:function` relative to the working directory, batched ones
@@ -29,6 +32,7 @@ Output (written to a temporary sibling and renamed when complete):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -41,6 +45,7 @@ from posttrain.training.faults import run_main
 from posttrain.model_files import load_hf_model, resolve_model_source
 from posttrain.data.loader import eval_split_rows, length_multiple, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
+from posttrain.envs.episodes import EpisodeSettings, episode_metrics, scored_rows
 from posttrain.evaluation.completions import GENERATION_BATCH, complete
 from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
 from posttrain.losses.dpo import REFERENCE_FREE
@@ -58,7 +63,7 @@ from posttrain.workflow.lineage import read_provenance, upstream_folder
 
 STAGE = "evaluate"
 # verifiers decide what counts as correct; model.policy is the base model (stage zero)
-READS = ("seed", "model.policy", "data.max_seq_len", "reward.verifiers", "eval.n_prompts", "eval.max_new_tokens",
+READS = ("seed", "model.policy", "data.max_seq_len", "reward.verifiers", "environment", "eval.n_prompts", "eval.max_new_tokens",
          "eval.pass_k", "eval.samples", "eval.temperature", "eval.lm_eval_tasks", "eval.lm_eval_optional")
 INPUTS = {
     "data": "prepare_data output folder",
@@ -127,6 +132,24 @@ def preference_metrics(model: Transformer, model_dir: Path | None, record: dict[
     return metrics
 
 
+def completions(backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]], examples: list[dict[str, Any]],
+                params: SamplingParams, seed: int, desc: str) -> tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list]:
+    """One completion per prompt: (tokens, finish reasons, texts, the rows to score them with, no episode counts)."""
+    tokens, reasons = complete(backend, prompts, params, seed, desc)
+    return tokens, reasons, tok.decode_batch(tokens), examples, []
+
+
+def episode_completions(episodes: EpisodeSettings, backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]],
+                        examples: list[dict[str, Any]], params: SamplingParams, seed: int,
+                        desc: str) -> tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list]:
+    """One episode per row (`environment`): what `completions` returns, the last model message as the text, the
+    rows with their episode's reward, and each episode's counts (the environment renders its own prompts)."""
+    print(f"evaluate: {desc}: {len(examples)} episodes of {episodes.fn}", flush=True)
+    trajectories = episodes.run(backend, tok, params, examples, seed)
+    return ([t.tokens for t in trajectories], [t.finish_reason for t in trajectories],
+            [t.final_text for t in trajectories], scored_rows(trajectories, examples), [t.counts() for t in trajectories])
+
+
 def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]:
     batches = sft_batches(data_dir, SCORING_BATCH, seed=seed, split="sft_eval", shuffle=False, loop=False,
                           multiple=length_multiple(compiled=False))
@@ -155,16 +178,19 @@ def main() -> None:
 
     greedy_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=0.0, stop_token_ids=tok.eos_ids)
     backend = NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH)
-    greedy, greedy_reasons = complete(backend, prompts, greedy_params, seed, "greedy")
-    greedy_text = tok.decode_batch(greedy)
-    greedy_scores = rewards.score(greedy_text, examples)
+    episodes = EpisodeSettings.from_config(cfg["environment"], os.getcwd())
+    generate = completions if episodes is None else functools.partial(episode_completions, episodes)
+    greedy, greedy_reasons, greedy_text, greedy_rows, greedy_counts = generate(backend, tok, prompts, examples,
+                                                                                greedy_params, seed, "greedy")
+    greedy_scores = rewards.score(greedy_text, greedy_rows)
 
     n = ev["samples"]
     sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
                                    stop_token_ids=tok.eos_ids)
-    sampled, _ = complete(backend, [p for p in prompts for _ in range(n)], sample_params, seed, f"sampled x{n}")
-    sampled_text = tok.decode_batch(sampled)
-    sampled_scores = rewards.score(sampled_text, [ex for ex in examples for _ in range(n)])
+    sampled, _, sampled_text, sampled_rows, _ = generate(backend, tok, [p for p in prompts for _ in range(n)],
+                                                          [ex for ex in examples for _ in range(n)], sample_params, seed,
+                                                          f"sampled x{n}")
+    sampled_scores = rewards.score(sampled_text, sampled_rows)
     sampled_correct = [rewards.correct(s) for s in sampled_scores]
 
     results = [
@@ -178,6 +204,8 @@ def main() -> None:
     if record["stage"] == BASE:
         metrics["source"] = record["source"]
     metrics.update(task_metrics(results, ev["pass_k"], n, rewards.weights))
+    if greedy_counts:  # multi-turn: the greedy episodes' turns, tool calls and malformed-call rate
+        metrics.update(episode_metrics(greedy_counts))
     metrics.update(nll_metrics(model, data_dir, seed))
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
                                       args.reference, device))

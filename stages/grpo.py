@@ -69,15 +69,17 @@ from posttrain.rewards.verifiers import VerifierError
 from posttrain.rl.collection import build_collection
 from posttrain.rl.critic import build_critic
 from posttrain.rl.prompts import eval_prompts, prompt_count, training_prompts
-from posttrain.rl.rollout import WorkerSpec
+from posttrain.rl.rollout import EpisodeSettings, WorkerSpec
 from posttrain.rl.step import CriticBaseline, GRPOStep, GroupBaseline
+from posttrain.rl.weights import WeightSyncError, check_logprob_gap
 from posttrain.rules import ppo_problems, prompt_split_problem
 from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.setup import model_config
 
 STAGE = "grpo"
-READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_len", "memory", "parallel", "reward.verifiers",
+READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_len", "memory", "parallel",
+         "reward.verifiers", "environment",
          "reward_model.source", "reward_model.normalize", "grpo")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
@@ -122,7 +124,7 @@ def main() -> None:
         pretrained_reward_model=pretrained_source(cfg["reward_model"]["source"]),
         rm_normalize=cfg["reward_model"]["normalize"], workdir=os.getcwd(),
         max_batch_size=GENERATION_BATCH, max_model_len=cfg["data"]["max_seq_len"] + grpo["max_new_tokens"],
-        seed=cfg["seed"], device=str(run.device),
+        seed=cfg["seed"], device=str(run.device), episodes=EpisodeSettings.from_config(cfg["environment"], os.getcwd()),
     )
     collection = build_collection(
         model, spec, lambda rank, size: training_prompts(args.data, args.reward, grpo["prompts_per_step"], cfg["seed"], rank, size),
@@ -152,6 +154,7 @@ def main() -> None:
                 generate_s=rollouts.generate_s, train_s=time.perf_counter() - t_train, step_s=seconds,
                 **collection.step_metrics(),
             )
+            check_logprob_gap(record["logprob_gap_mean"], record["staleness"], grpo["max_logprob_gap"], rollouts.version)
             history.append(record)
             run.log_step(record, postfix={"reward_mean": ".3f", "pass_rate": ".3f"})
         collected = collection.summary()
@@ -174,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(STAGE, main, extra_errors=(VerifierError,))
+    run_main(STAGE, main, extra_errors=(VerifierError, WeightSyncError))

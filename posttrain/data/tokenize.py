@@ -266,7 +266,12 @@ def _texts(messages: str | Sequence[dict[str, Any]]) -> Iterator[str]:
 
 
 def tokenizer_training_text(rows: Mapping[str, Sequence[dict[str, Any]]]) -> Iterator[str]:
-    """Every message of the training kinds of canonical rows (never eval), as `role\ncontent`, for BPE training."""
+    """Every message of the training kinds of canonical rows (never eval), as `role\ncontent`, and the tools rows
+    offer (as the template shows them: JSON), for BPE training."""
+    for kind in ("sft", "preference", "unpaired", "prompts"):
+        for row in rows.get(kind, []):
+            if row.get("tools"):
+                yield json.dumps(row["tools"], ensure_ascii=False)
     for row in rows.get("sft", []):
         yield from _texts(row["messages"]) if "messages" in row else (*_texts(row["prompt"]), *_texts(row["completion"]))
     for row in rows.get("preference", []):

@@ -100,6 +100,10 @@ class NativeBackend:
             self.model.train(was_training)
         return out
 
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """The weights this backend samples with (for the trainer's check of each push)."""
+        return dict(self.model.state_dict())
+
     def update_weights(self, weights: Weights, version: int) -> None:
         _check_version(self.version, version)
         if isinstance(weights, (str, os.PathLike)):

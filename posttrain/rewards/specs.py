@@ -24,7 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-BUILTIN_VERIFIERS = ("task", "math", "number", "list", "format", "reasoning_gym", "arithmetic", "sort", "reverse")
+BUILTIN_VERIFIERS = ("task", "math", "number", "list", "format", "reasoning_gym", "environment", "arithmetic", "sort",
+                     "reverse")
 ENTRY_KEYS = ("fn", "weight", "batched")
 
 
@@ -111,30 +112,31 @@ def load_file_module(file: Path) -> ModuleType:
     return module
 
 
-def user_function(spec: RewardSpec, workdir: str | os.PathLike | None) -> Any:
-    """The callable a user's `module:function` or `path/file.py:function` names (ImportError/TypeError name the spec)."""
+def user_function(spec: RewardSpec, workdir: str | os.PathLike | None, kind: str = "verifier") -> Any:
+    """The callable a user's `module:function` or `path/file.py:function` names (ImportError/TypeError name the spec,
+    as a `kind`: a verifier, an environment)."""
     if spec.is_file:
         file = user_module_file(spec.module, workdir)
         if not file.is_file():
-            raise ImportError(f"verifier {spec.name!r}: no such file {file} (a path is relative to the working directory)")
+            raise ImportError(f"{kind} {spec.name!r}: no such file {file} (a path is relative to the working directory)")
         try:
             module = load_file_module(file)
         except ImportError as e:
-            raise ImportError(f"verifier {spec.name!r}: cannot import {file}: {e}") from e
+            raise ImportError(f"{kind} {spec.name!r}: cannot import {file}: {e}") from e
         where = str(file)
     else:
         try:
             module = importlib.import_module(spec.module)
         except ImportError as e:
-            raise ImportError(f"verifier {spec.name!r}: cannot import module {spec.module!r}: {e}") from e
+            raise ImportError(f"{kind} {spec.name!r}: cannot import module {spec.module!r}: {e}") from e
         where = f"module {spec.module!r}"
     fn: Any = module
     for part in spec.attr.split("."):
         if not hasattr(fn, part):
-            raise ImportError(f"verifier {spec.name!r}: {where} has no attribute {spec.attr!r}")
+            raise ImportError(f"{kind} {spec.name!r}: {where} has no attribute {spec.attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise TypeError(f"verifier {spec.name!r}: {spec.attr!r} is not callable")
+        raise TypeError(f"{kind} {spec.name!r}: {spec.attr!r} is not callable")
     return fn
 
 

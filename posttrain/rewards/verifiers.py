@@ -200,6 +200,13 @@ def reasoning_gym_match(completion: str, example: Mapping[str, Any]) -> float:
     return reasoning_gym.score_answer(reasoning_gym.extract(completion, extract_answer(completion)), spec)
 
 
+def environment_reward(completion: str, example: Mapping[str, Any]) -> float:
+    """The episode's reward from its environment (`environment.fn`: the sum of its turns' rewards)."""
+    if "env_reward" not in example:
+        raise ValueError("the environment verifier scores multi-turn episodes: set environment.fn (docs/environments.md)")
+    return float(example["env_reward"])
+
+
 TASK_VERIFIERS: dict[str, Verifier] = {"arithmetic": number_match, "sort": list_match, "reverse": list_match}
 
 
@@ -280,6 +287,7 @@ VERIFIERS: dict[str, Verifier] = {
     "number": number_match,
     "list": list_match,
     "format": format_reward,
+    "environment": environment_reward,
     "reasoning_gym": reasoning_gym_match,
     **TASK_VERIFIERS,
 }

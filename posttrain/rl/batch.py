@@ -65,24 +65,30 @@ def micro_batches(groups: Sequence[RolloutGroup], advantage: Tensor, size: int, 
     """
     if size < 1:
         raise ValueError(f"grpo.micro_batch_size must be >= 1, got {size}")
-    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs)]
+    rows = [(g.prompt_ids, c, lp, g.masks[j] if g.masks else None)
+            for g in groups for j, (c, lp) in enumerate(zip(g.completions, g.logprobs))]
     if len(rows) != advantage.numel():
         raise ValueError(f"{len(rows)} completions but {advantage.numel()} advantages")
     out = []
     for start in range(0, len(rows), size):
         part = rows[start : start + size]
-        length = max(len(p) + len(c) for p, c, _ in part)
+        length = max(len(p) + len(c) for p, c, _, _ in part)
         length = -(-length // length_multiple) * length_multiple
         ids = torch.full((len(part), length), pad_id, dtype=torch.long)
         targets = torch.full((len(part), length), IGNORE_INDEX, dtype=torch.long)
         gen = torch.zeros(len(part), length, dtype=torch.float32)
-        for i, (prompt, completion, logprobs) in enumerate(part):
-            if len(logprobs) != len(completion):
-                raise ValueError(f"completion {start + i} has {len(completion)} tokens but {len(logprobs)} log-probs")
+        for i, (prompt, completion, logprobs, mask) in enumerate(part):
+            if len(logprobs) != len(completion) or (mask is not None and len(mask) != len(completion)):
+                raise ValueError(f"completion {start + i} has {len(completion)} tokens but {len(logprobs)} log-probs"
+                                 + ("" if mask is None else f" and {len(mask)} mask entries"))
             n, m = len(prompt), len(completion)
             ids[i, : n + m] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
-            # Position n - 1 (the last prompt token) predicts the first completion token.
-            targets[i, n - 1 : n + m - 1] = torch.tensor(completion, dtype=torch.long)
+            # Position n - 1 (the last prompt token) predicts the first completion token; an episode's environment
+            # tokens (mask False) are context, never targets.
+            target = torch.tensor(completion, dtype=torch.long)
+            if mask is not None:
+                target = target.masked_fill(~torch.tensor(mask, dtype=torch.bool), IGNORE_INDEX)
+            targets[i, n - 1 : n + m - 1] = target
             gen[i, n - 1 : n + m - 1] = torch.tensor(logprobs, dtype=torch.float32)
         out.append(MicroBatch(ids, targets, gen, advantage[start : start + size].clone()))
     return out

@@ -43,11 +43,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.data.loader import Batches
 from posttrain.evaluation.greedy import greedy_accuracy
+from posttrain.generation.sampler import SamplingParams
 from posttrain.parallel import broadcast_from_main
 from posttrain.rl.sync_collector import PromptFeed, SyncCollector
 from posttrain.rl.ray_collector import RayCollector, split_groups, start_ray
 from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, rollout_stats
-from posttrain.rl.weights import policy_weights
+from posttrain.rl.weights import check_digests, corrupted_for_test, policy_weights, weights_digest
 from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
 PromptLoader = Callable[[int, int], Batches]  # (rank, world size) -> the prompt batches of that shard
@@ -89,7 +90,7 @@ class _Draw:
 
 class _Collection:
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, device: torch.device, grpo: Mapping[str, Any]):
-        self.model, self.mesh, self.device = model, mesh, device
+        self.model, self.mesh, self.device, self.grpo = model, mesh, device, grpo
         self.version = 0  # the trainer's policy version: optimizer steps taken
         self.feed: PromptFeed | None = None
         self.ticket = 0
@@ -150,6 +151,13 @@ class _Collection:
     def held_out_accuracy(self, prompts: PromptBatch) -> float:
         """Greedy accuracy at the trainer's current weights, this rank's `prompts` and the others' together."""
         worker = self.eval_worker
+        if worker.environment is not None:  # greedy episodes, judged by the first verifier
+            params = SamplingParams(max_new_tokens=worker.params.max_new_tokens, temperature=0.0,
+                                    stop_token_ids=worker.params.stop_token_ids)
+            trajectories = worker.run_episodes(prompts.examples, params, seed=0) if len(prompts) else []
+            correct = worker.episode_rewards(trajectories, prompts.examples)[1] if trajectories else []
+            total_correct, total = data_parallel_sum([sum(correct), len(correct)], self.mesh, self.device)
+            return total_correct / max(total, 1)
 
         def judge(texts: list[str], sequences: list[list[int]], examples: list[dict[str, Any]]) -> list[bool]:
             return worker.reward_fn(texts, sequences, examples)[1]
@@ -199,7 +207,20 @@ class SyncCollection(_Collection):
 
     def push_weights(self) -> None:
         self.version += 1
-        self.collector.push_weights(policy_weights(self.model, every_rank=True), self.version)
+        weights = policy_weights(self.model, every_rank=True)
+        self.collector.push_weights(corrupted_for_test(weights, self.version), self.version)
+        self._verify(weights)
+
+    def _verify(self, weights: dict[str, torch.Tensor]) -> None:
+        """The generator holds exactly the trainer's weights (`grpo.verify_weights`; the native backend, whose
+        weights this process can read; vLLM's are checked by the log-prob gap)."""
+        held = getattr(self.eval_worker.backend, "held_weights", None)
+        if not self.grpo["verify_weights"] or held is None:
+            return
+        generator = held()
+        dtypes = {name: generator[name].dtype for name in weights if name in generator}
+        check_digests(weights_digest(weights, dtypes), weights_digest({k: generator[k] for k in weights if k in generator}),
+                      self.version)
 
 
 class AsyncCollection(_Collection):

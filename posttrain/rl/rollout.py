@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from posttrain.envs.episodes import EpisodeSettings, Trajectory, episode_metrics, scored_rows
 from posttrain.generation.backend import GenerationBackend, Weights, build_backend
 from posttrain.generation.sampler import SamplingParams
 from posttrain.rewards.reward_model import PretrainedRewardModel, load_reward_model, normalize_scores, score_sequences
@@ -37,6 +38,10 @@ class RolloutGroup:
     version: int  # policy version of the generator's weights
     index: int = -1  # row of the prompt in its prompt set
     components: list[dict[str, float]] = field(default_factory=list)  # per completion: each function's own value
+    # Multi-turn episodes (`environment.fn`): per completion, which tokens the model sampled (the others are the
+    # environment's, never trained on) and the episode's turns, tool calls and malformed tool calls.
+    masks: list[list[bool]] = field(default_factory=list)
+    episodes: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def group_size(self) -> int:
@@ -123,12 +128,16 @@ class RewardFunction:
 
 
 class RolloutWorker:
-    """Samples and scores rollout groups with one backend; the unit a generator actor wraps."""
+    """Samples and scores rollout groups with one backend; the unit a generator actor wraps. With `episodes`, a
+    completion is a multi-turn episode (`posttrain.envs`): the verifiers score its last model message, with the
+    environment's reward in the row as `env_reward` (the `environment` verifier)."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, params: SamplingParams,
-                 group_size: int, reward_fn: RewardFunction):
+                 group_size: int, reward_fn: RewardFunction, episodes: EpisodeSettings | None = None):
         self.backend, self.tokenizer, self.params = backend, tokenizer, params
         self.group_size, self.reward_fn = group_size, reward_fn
+        self.episodes = episodes
+        self.environment = episodes.load() if episodes else None
 
     @property
     def version(self) -> int:
@@ -149,8 +158,22 @@ class RolloutWorker:
         self.backend.update_weights(weights, version)
         return version
 
+    def run_episodes(self, examples: Sequence[Mapping[str, Any]], params: SamplingParams, seed: int) -> list[Trajectory]:
+        """One episode per row of `examples`, each in a fresh environment."""
+        assert self.episodes is not None
+        return self.episodes.run(self.backend, self.tokenizer, params, examples, seed, self.environment)
+
+    def episode_rewards(self, trajectories: Sequence[Trajectory], examples: Sequence[Mapping[str, Any]],
+                        group_size: int = 1) -> tuple[list[float], list[bool], list[dict[str, float]]]:
+        """The verifiers' scores of each episode's last model message, its environment reward in the row."""
+        rows = scored_rows(trajectories, examples)
+        return self.reward_fn.scores([t.final_text for t in trajectories],
+                                     [t.prompt_ids + t.tokens for t in trajectories], rows, group_size=group_size)
+
     def collect(self, batch: PromptBatch, seed: int) -> list[RolloutGroup]:
         """`group_size` completions for each prompt of `batch`, scored; deterministic for (weights, batch, seed)."""
+        if self.environment is not None:
+            return self._collect_episodes(batch, seed)
         k = self.group_size
         version = self.backend.version
         prompts = [p for p in batch.prompt_ids for _ in range(k)]
@@ -170,6 +193,24 @@ class RolloutWorker:
             )
             for g in range(len(batch))
         ]
+
+
+    def _collect_episodes(self, batch: PromptBatch, seed: int) -> list[RolloutGroup]:
+        k, version = self.group_size, self.backend.version
+        examples = [e for e in batch.examples for _ in range(k)]
+        trajectories = self.run_episodes(examples, self.params, seed)
+        rewards, correct, components = self.episode_rewards(trajectories, examples, group_size=k)
+        index = batch.index or [-1] * len(batch)
+        groups = []
+        for g in range(len(batch)):
+            part = trajectories[g * k : (g + 1) * k]
+            groups.append(RolloutGroup(
+                prompt_ids=part[0].prompt_ids, example=dict(batch.examples[g]), completions=[t.tokens for t in part],
+                logprobs=[t.logprobs for t in part], finish_reasons=[t.finish_reason for t in part],
+                rewards=rewards[g * k : (g + 1) * k], correct=correct[g * k : (g + 1) * k], version=version,
+                index=int(index[g]), components=components[g * k : (g + 1) * k], masks=[t.mask for t in part],
+                episodes=[t.counts() for t in part]))
+        return groups
 
 
 def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
@@ -192,6 +233,9 @@ def rollout_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         "truncated_frac": sum(truncated) / len(truncated),
         "zero_signal_frac": sum(flat) / len(flat),
     }
+    episodes = [e for g in groups for e in g.episodes]
+    if episodes:  # multi-turn: turns per episode, tool calls per episode, the share of them malformed
+        stats.update(episode_metrics(episodes))
     if all(len(g.components) == g.group_size for g in groups):
         values = [c for g in groups for c in g.components]
         for name in values[0]:
@@ -219,6 +263,7 @@ class WorkerSpec:
     max_model_len: int | None = None  # vLLM: prompt + completion budget
     seed: int = 0
     device: str = "cpu"
+    episodes: EpisodeSettings | None = None  # the `environment` section: multi-turn episodes
 
 
 def build_worker(spec: WorkerSpec) -> RolloutWorker:
@@ -232,4 +277,4 @@ def build_worker(spec: WorkerSpec) -> RolloutWorker:
     reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id,
                                pretrained=spec.pretrained_reward_model, normalize=spec.rm_normalize,
                                workdir=spec.workdir, device=spec.device)
-    return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn)
+    return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn, spec.episodes)

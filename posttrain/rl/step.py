@@ -117,7 +117,7 @@ class StepMetrics:
     """The policy passes' metrics: this rank's sums over its micro-batches, reduced over the ranks once per step."""
 
     def __init__(self) -> None:
-        self.sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight"), 0.0)
+        self.sums = dict.fromkeys(("loss", "entropy", "clip_frac", "kl", "generator_kl", "tis_weight", "gap"), 0.0)
         self.gap_max = 0.0  # largest |trainer - generator| token log-prob at the step's starting weights
 
     def add(self, loss: Tensor, loss_metrics: Mapping[str, Tensor], tokens: float) -> None:
@@ -133,17 +133,19 @@ class StepMetrics:
         self.sums["entropy"] += float((entropy.detach() * batch.mask).sum())
         log_gap = (batch.generator_logprobs - logp.detach()) * batch.mask
         self.sums["generator_kl"] += float((log_gap.exp() - log_gap - 1).sum())
+        self.sums["gap"] += float(log_gap.abs().sum())
         self.gap_max = max(self.gap_max, float(log_gap.abs().max()))
 
     def record(self, passes: int, step_tokens: float, kl: bool, mesh: DeviceMesh | None,
                device: torch.device) -> dict[str, float]:
-        loss, entropy, clip, kl_sum, gen_kl, tis = data_parallel_sum(list(self.sums.values()), mesh, device)
+        loss, entropy, clip, kl_sum, gen_kl, tis, gap = data_parallel_sum(list(self.sums.values()), mesh, device)
         record = {
             "loss": loss / passes,
             "entropy": entropy / max(step_tokens, 1),
             "clip_frac": clip / max(step_tokens * passes, 1),
             "generator_kl": gen_kl / max(step_tokens, 1),
             "logprob_gap_max": max_over_ranks(self.gap_max, device),
+            "logprob_gap_mean": gap / max(step_tokens, 1),
             "tis_weight_mean": tis / max(step_tokens * passes, 1),
         }
         if kl:

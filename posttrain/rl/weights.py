@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,3 +29,55 @@ def policy_weights(model: nn.Module, every_rank: bool) -> dict[str, torch.Tensor
         experts = gather_expert_states(model, every_rank=True) if uses_expert_parallel(model) else {}
         state = {**{k: v.detach().cpu() for k, v in full.items()}, **experts}
     return merged_state_dict(model, state) if getattr(model, "lora_config", None) is not None else state
+
+
+CORRUPT_PUSH_ENV = "POSTTRAIN_TEST_CORRUPT_PUSH"  # tests: corrupt the weights sent as this policy version
+
+
+class WeightSyncError(RuntimeError):
+    """A generator holds other weights than the trainer sent, or samples far from the trainer's policy."""
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """An exact checksum of a tensor's bits (the same on any device): its elements read as integers, each weighed by
+    its position, summed in int64 (wrapping alike everywhere), so a changed, moved or missing value shows."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    ints = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).long()
+    weights = torch.arange(ints.numel(), device=ints.device) % 65521 + 1
+    return int((ints * weights).sum())
+
+
+def weights_digest(state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, int]:
+    """`tensor_digest` of every tensor, each cast first to the dtype the generator holds it in (`dtypes`)."""
+    return {name: tensor_digest(t.to(dtypes[name]) if dtypes and name in dtypes else t) for name, t in state.items()}
+
+
+def check_digests(sent: Mapping[str, int], held: Mapping[str, int], version: int) -> None:
+    """Raise `WeightSyncError` naming the first tensor the generator holds differently from what the trainer sent."""
+    missing = sorted(set(sent) - set(held))
+    if missing:
+        raise WeightSyncError(f"policy version {version}: the generator has no tensor {missing[0]!r} the trainer sent")
+    wrong = [name for name in sent if sent[name] != held[name]]
+    if wrong:
+        raise WeightSyncError(f"policy version {version}: the generator's {wrong[0]!r} differs from the trainer's "
+                              f"({len(wrong)} of {len(sent)} tensors); the weight push or load is broken")
+
+
+def corrupted_for_test(weights: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """The weights with one value changed when `CORRUPT_PUSH_ENV` names `version` (tests of the check)."""
+    if os.environ.get(CORRUPT_PUSH_ENV) != str(version):
+        return weights
+    name = next((n for n in sorted(weights) if ".layers." in n), sorted(weights)[0])  # not a tied embedding
+    bad = weights[name].clone()
+    bad.view(-1)[0] += 1.0
+    return {**weights, name: bad}
+
+
+def check_logprob_gap(gap_mean: float, staleness: int, limit: float | None, version: int) -> None:
+    """A batch sampled with the trainer's own weights (staleness 0) must score its tokens as the trainer does, up to
+    the engines' rounding: a mean |log-prob gap| over `limit` (`grpo.max_logprob_gap`) means the generator runs
+    other weights or another model."""
+    if limit is not None and staleness == 0 and gap_mean > limit:
+        raise WeightSyncError(f"policy version {version}: the generator's token log-probs differ from the trainer's by "
+                              f"{gap_mean:.3g} on average (grpo.max_logprob_gap: {limit}) on a batch sampled with the "
+                              "trainer's own weights; the generator runs other weights")

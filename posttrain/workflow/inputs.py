@@ -13,6 +13,8 @@ fingerprint, upstream outputs by their keys, and what the user brings by `user_i
 - `reward.verifiers` entries `module:function` and `path/file.py:function` (a file relative to the working
   directory): the module's code and that of the modules it imports from beside it, fingerprinted like
   ours (comments and docstrings aside); an installed package by its name and version.
+- `environment.fn`, a user environment `module:Class` or `path/file.py:Class` (GRPO): its code, as a reward
+  function's.
 - `reward_model.source`, a pretrained reward model (the reward and grpo stages): a local folder by its
   content, a hub id by its cached revision, like `model.policy`.
 
@@ -210,6 +212,9 @@ def user_inputs(stage: str, settings: Mapping[str, Any], hashes: ContentHashes, 
         module, sep, _ = name.rpartition(":")
         if sep:
             out[f"reward.verifiers[{i}]"] = code_record(module, search)
+    module, sep, _ = str(settings.get("environment", {}).get("fn") or "").rpartition(":")
+    if sep:  # a user environment's code
+        out["environment.fn"] = code_record(module, search)
     source = settings.get("reward_model", {}).get("source")
     if source not in (None, "train"):  # a pretrained reward model: its weights and tokenizer
         out["reward_model.source"] = model_record(source, hashes, ())

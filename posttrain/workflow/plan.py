@@ -229,7 +229,8 @@ class Plan:
             if stage == "grpo":  # its reward model and prompts come from the policy it starts from
                 if cfg["reward_model"]["source"] == "train":
                     stages["reward_model"] = inputs["reward_model"] = self._add("reward_model", cfg, dict(inputs))
-                stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
+                if not cfg["environment"]["fn"]:  # episodes: the data's prompts (no single-turn pass rates)
+                    stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
             models[stage] = stages[stage] = previous = self._add(stage, cfg, inputs)
         evals = {BASE: self._add("evaluate", cfg, {"data": data})} if cfg["eval"]["base"] else {}
         evals.update({stage: self._add("evaluate", cfg, {"data": data, "model": job}) for stage, job in models.items()})

@@ -415,6 +415,19 @@ def reward_model_problem(source: str) -> str | None:
     return None
 
 
+def environment_problem(section: Mapping[str, Any]) -> tuple[str, str] | None:
+    """`environment.fn` names a built-in or a user class that loads and subclasses `posttrain.envs.Environment`."""
+    if not section["fn"]:
+        return None
+    from posttrain.envs import load_environment
+
+    try:
+        load_environment(section["fn"])
+    except (ImportError, TypeError, ValueError, SyntaxError) as err:
+        return "environment.fn", str(err)
+    return None
+
+
 def reward_problems(cfg: Mapping[str, Any], search: Sequence[str]) -> list[tuple[str, str]]:
     """(config key, what is wrong) for `reward.verifiers` and a pretrained `reward_model.source`."""
     specs = reward_specs_module()
@@ -505,6 +518,9 @@ def path_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if template:
         problems.append(template)
     problems += reward_problems(cfg, code_search_path(REPO))
+    environment = environment_problem(cfg["environment"])
+    if environment:
+        problems.append(environment)
     lm_eval = lm_eval_problem(cfg["eval"]["lm_eval_tasks"], cfg["eval"]["lm_eval_optional"])
     if lm_eval:
         problems.append(("eval.lm_eval_tasks", lm_eval))

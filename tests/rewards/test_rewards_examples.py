@@ -68,6 +68,9 @@ def local_config(name: str, stand_ins: dict[str, Any], results: Path) -> dict[st
         if cfg["model"][key] and not is_preset(cfg["model"][key]):
             cfg["model"][key] = str(stand_ins["model"])
     for source in cfg["data"]["sources"]:
+        if (ROOT / source["path"]).is_file():  # a file the repository ships (the tool-use demonstrations)
+            source["path"] = str(ROOT / source["path"])
+            continue
         # same kind and columns, a local file (which holds one split and no subsets)
         source.update(path=str(stand_ins["files"][source["path"]]), subset=None, split=None)
     for kind in ("n_sft", "n_preference", "n_prompts", "n_eval"):

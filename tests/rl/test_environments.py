@@ -1,0 +1,268 @@
+"""Multi-turn environments: episodes are token-in/token-out (the model's tokens as sampled, the environment's turns
+as transformers' `apply_chat_template` renders them, the loss mask on the model's tokens only), tool calls parse
+in the template's convention, the built-in tools answer, and the Python sandbox turns every escape into an error
+observation while the run goes on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.envs import BUILTIN_ENVIRONMENTS, load_environment
+from posttrain.envs.episodes import run_episodes
+from posttrain.envs.builtin import Calculator, GuessNumber, Python, calculate
+from posttrain.envs.sandbox import Limits, run_python
+from posttrain.envs.tool_calls import format_call, parse_assistant
+from posttrain.generation import GenerationOutput
+from posttrain.generation.sampler import SamplingParams
+from posttrain.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer, set_chat_template, train_bpe_tokenizer
+
+QUESTIONS = {"What is 12*7?": "12*7", "What is 93-48?": "93-48"}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("tools-tokenizer")
+    texts = [f"{q} {format_call('calculate', {'expression': e})} #### 84 higher lower" for q, e in QUESTIONS.items()]
+    train_bpe_tokenizer(texts * 20, 400, folder)
+    set_chat_template(folder, CHATML_TOOLS_TEMPLATE)
+    return Tokenizer(folder)
+
+
+class Scripted:
+    """A backend that answers each episode's turns from a script: its turn texts, each ended by <|im_end|>, with
+    made-up log-probs; it finds the episode by the question in the prompt and the turn by the turns before."""
+
+    version = 0
+
+    def __init__(self, tok: Tokenizer, scripts: dict[str, list[str]]):
+        self.tok, self.scripts = tok, scripts
+        self.sampled: dict[str, list[list[int]]] = {q: [] for q in scripts}
+
+    def generate(self, prompts, params, seed):
+        tokens = []
+        for prompt in prompts:
+            text = self.tok.decode(prompt, skip_special_tokens=False)
+            question = next(q for q in self.scripts if q in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            ids = self.tok.encode(self.scripts[question][turn]) + [self.tok.eos_id]
+            self.sampled[question].append(ids)
+            tokens.append(ids)
+        return GenerationOutput(tokens, [[-0.25 - 0.01 * k for k in range(len(t))] for t in tokens], ["stop"] * len(tokens))
+
+
+def _hf(tok: Tokenizer):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tok.folder)
+
+
+def test_trajectories_are_the_templates_rendering_and_the_mask_is_the_models_tokens(tok):
+    scripts = {q: [format_call("calculate", {"expression": e}), f"#### {calculate(e)}"] for q, e in QUESTIONS.items()}
+    backend = Scripted(tok, scripts)
+    envs = [Calculator({"prompt": q, "answer": calculate(e)}) for q, e in QUESTIONS.items()]
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=tok.eos_ids)
+    trajectories = run_episodes(backend, tok, params, envs, seed=0, max_turns=4, max_tokens=400)
+    hf = _hf(tok)
+    for (question, expression), traj in zip(QUESTIONS.items(), trajectories):
+        assert traj.finish_reason == "stop" and traj.turns == 2 and traj.tool_calls == 1 and traj.invalid_tool_calls == 0
+        assert traj.messages[2] == {"role": "tool", "name": "calculate", "content": calculate(expression)}
+        assert traj.final_text == f"#### {calculate(expression)}"
+        # the whole trajectory decodes to transformers' rendering of its conversation (the template's newline after
+        # the last <|im_end|> was never sampled)
+        rendered = hf.apply_chat_template(traj.messages, tools=envs[0].tools(), tokenize=False)
+        assert tok.decode(traj.prompt_ids + traj.tokens, skip_special_tokens=False) + "\n" == rendered
+        prompt = hf.apply_chat_template(traj.messages[:1], tools=envs[0].tools(), tokenize=True, add_generation_prompt=True)
+        assert traj.prompt_ids == list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        # the mask covers exactly the sampled tokens, in order, with the sampler's log-probs
+        sampled = [t for t, m in zip(traj.tokens, traj.mask) if m]
+        assert sampled == [t for turn in backend.sampled[question] for t in turn]
+        assert [lp for lp, m in zip(traj.logprobs, traj.mask) if m] == [
+            -0.25 - 0.01 * k for turn in backend.sampled[question] for k in range(len(turn))]
+        assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask) if not m) and not all(traj.mask)
+        assert len(traj.tokens) == len(traj.mask) == len(traj.logprobs)
+
+
+def test_guess_the_number_needs_the_environments_replies(tok):
+    env = GuessNumber({"id": "row-3", "prompt": "unused"}, high=16)
+    guesses, low, high = [], 1, 16
+    while True:  # binary search, as a model that reads the replies would
+        guess = (low + high) // 2
+        guesses.append(guess)
+        if guess == env.secret:
+            break
+        low, high = (guess + 1, high) if guess < env.secret else (low, guess - 1)
+    question = env.messages()[0]["content"]
+    backend = Scripted(tok, {question: [str(g) for g in guesses]})
+    traj, = run_episodes(backend, tok, SamplingParams(max_new_tokens=8, stop_token_ids=tok.eos_ids), [env], seed=0,
+                         max_turns=8, max_tokens=400)
+    assert traj.env_reward == 1.0 and traj.turns == len(guesses) and traj.finish_reason == "stop"
+    replies = [m["content"] for m in traj.messages if m["role"] == "user"][1:]
+    assert replies == ["higher" if g < env.secret else "lower" for g in guesses[:-1]]
+    # the same game with a turn cap below what it takes: no reward, ended by the cap
+    short = GuessNumber({"id": "row-3", "prompt": "unused"}, high=16)
+    capped, = run_episodes(Scripted(tok, {question: [str(g) for g in guesses]}), tok,
+                           SamplingParams(max_new_tokens=8, stop_token_ids=tok.eos_ids), [short], seed=0,
+                           max_turns=1, max_tokens=400)
+    assert len(guesses) == 1 or (capped.env_reward == 0.0 and capped.finish_reason == "turns" and capped.turns == 1)
+
+
+def test_tool_calls_parse_in_the_templates_convention():
+    message, invalid = parse_assistant('Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+2"}}'
+                                       '\n</tool_call>\n<tool_call>{"name": 3}</tool_call><tool_call>{"name": "x", ')
+    assert message == {"role": "assistant", "content": "Let me compute.",
+                       "tool_calls": [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": "2+2"}}}]}
+    assert invalid == 2  # a name that is not a string, and a block never closed
+    assert parse_assistant("#### 4") == ({"role": "assistant", "content": "#### 4"}, 0)
+
+
+def test_tool_errors_are_observations():
+    env = Calculator({"prompt": "p"})
+    reply = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "calculate", "arguments": {"expression": "1/0"}}},
+        {"function": {"name": "search", "arguments": {}}},
+        {"function": {"name": "calculate", "arguments": {"expr": "1"}}},
+        {"function": {"name": "calculate", "arguments": '{"expression": "6*7"}'}}]})
+    assert [m["content"] for m in reply.messages] == ["error: division by zero", "error: no tool 'search'; tools: calculate",
+                                                      "error: calculate takes expression", "42"]
+    assert not reply.done and env.step({"role": "assistant", "content": "#### 42"}).done
+    assert calculate("9**9**9").startswith("error: Pow is not supported")
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("while True: pass", "error: the code ran past its 2 s limit"),
+    ("x = bytearray(4 * 1024**3)", "error: MemoryError: the code tried to use more than 512 MB"),
+    ("open('/tmp/posttrain-sandbox-escape', 'w').write('x')", "error: PermissionError: sandbox: writing /tmp/posttrain-sandbox-escape"),
+    ("import socket; socket.create_connection(('127.0.0.1', 9))", "error: PermissionError: sandbox: socket."),
+    ("import subprocess; subprocess.run(['ls'])", "error: PermissionError: sandbox: subprocess.Popen is not allowed"),
+    ("import os; os.remove('/etc/hostname')", "error: PermissionError: sandbox: os.remove of /etc/hostname"),
+    ("raise ValueError('boom')", "error: ValueError: boom"),
+])
+def test_sandbox_turns_escapes_into_error_observations(code, expected):
+    result = run_python(code, Limits(timeout_s=2))
+    assert result.startswith(expected), result
+    assert not Path("/tmp/posttrain-sandbox-escape").exists()
+
+
+def test_sandbox_runs_code_in_its_own_folder_and_the_episode_goes_on():
+    assert run_python("open('a.txt', 'w').write('hi'); print(open('a.txt').read(), 6 * 7)") == "hi 42"
+    assert run_python("print('x' * 50)", Limits(output_chars=10)).startswith("xxxxxxxxxx\n... (output cut")
+    env = Python({"prompt": "p"}, timeout_s=2)
+    reply = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "run_python", "arguments": {"code": "while True: pass"}}},
+        {"function": {"name": "run_python", "arguments": {"code": "print(2 ** 10)"}}}]})
+    assert [m["content"] for m in reply.messages] == ["error: the code ran past its 2 s limit and was stopped", "1024"]
+
+
+def test_user_environments_load_from_a_file(tmp_path):
+    (tmp_path / "myenv.py").write_text(
+        "from posttrain.envs import Environment, Reply\n"
+        "class Echo(Environment):\n"
+        "    def step(self, message):\n"
+        "        return Reply(reward=float(message['content'] == self.example['answer']), done=True)\n"
+        "def not_an_env():\n    pass\n")
+    cls = load_environment("myenv.py:Echo", tmp_path)
+    assert cls({"prompt": "p", "answer": "4"}).step({"role": "assistant", "content": "4"}).reward == 1.0
+    with pytest.raises(TypeError, match="is not a subclass of posttrain.envs.Environment"):
+        load_environment("myenv.py:not_an_env", tmp_path)
+    with pytest.raises(ImportError, match="environment 'nope.py:X': no such file"):
+        load_environment("nope.py:X", tmp_path)
+    assert set(BUILTIN_ENVIRONMENTS) == {"calculator", "python", "guess_number"}
+
+
+def test_micro_batches_train_only_the_models_tokens():
+    import torch
+
+    from posttrain.losses.chunked import IGNORE_INDEX
+    from posttrain.rl.batch import micro_batches
+    from posttrain.rl.rollout import RolloutGroup
+
+    group = RolloutGroup(prompt_ids=[1, 2], example={}, completions=[[5, 6, 7, 8, 9]],
+                         logprobs=[[-0.1, -0.2, 0.0, 0.0, -0.3]], finish_reasons=["stop"], rewards=[1.0],
+                         correct=[True], version=0, masks=[[True, True, False, False, True]])
+    batch, = micro_batches([group], torch.tensor([1.0]), size=1, pad_id=0)
+    # position t predicts token t + 1: the environment's tokens 7 and 8 are context, never targets
+    assert batch.targets[0].tolist() == [IGNORE_INDEX, 5, 6, IGNORE_INDEX, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert batch.input_ids[0].tolist() == [1, 2, 5, 6, 7, 8, 9]
+    assert batch.mask[0].sum() == 3
+
+
+@pytest.mark.slow
+def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path):
+    """GRPO with guess-the-number from a briefly fine-tuned policy (it answers with numbers and ends its turns;
+    `format` beside the game's reward gives the groups a signal):
+    episodes take several turns (the environment answers until the number is found), the metrics say so, and
+    the run trains and writes its output."""
+    from grpo_testing import grpo_config, run_grpo, step_records
+    from sft_testing import prepare_data, resolved_config, run_sft
+    from torch import equal as torch_equal
+
+    data_cfg = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 2}], "n_sft": 200, "n_preference": 4,
+                "n_prompts": 32, "n_eval": 8, "max_seq_len": 48, "vocab_size": 300}
+    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
+    sft = resolved_config("sft", "env-start", data=data_cfg, sft={"steps": 60, "batch_size": 16, "lr": 3e-3,
+                                                                  "warmup_steps": 5, "checkpoint_every": 1000})
+    policy = tmp_path / "sft"
+    run_sft(sft, data, policy)
+    cfg = grpo_config("env", data=data_cfg, reward={"verifiers": ["environment", "format"]}, steps=2, prompts_per_step=4,
+                      group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100, log_every=1, lr=1e-3)
+    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 80, "args": {"high": 4}}
+    out = tmp_path / "grpo"
+    run_grpo(cfg, data, policy, out)
+    records = step_records(out)
+    assert len(records) == 2
+    assert all(r["turns_mean"] > 1.5 for r in records), [r["turns_mean"] for r in records]
+    assert all(r["tool_calls_mean"] == 0 for r in records)  # the game offers no tools
+    from sft_testing import weights
+
+    trained, start = weights(out), weights(policy)
+    assert any(not torch_equal(trained[k], start[k]) for k in start)  # the policy's own tokens were trained on
+
+
+def test_the_plan_and_the_dry_run_with_an_environment(tmp_path, monkeypatch):
+    from posttrain.workflow.plan import build_plan
+    from posttrain.workflow.schema import ConfigError, load_config, merge, validate_config
+
+    base = merge(load_config(), {"ablations": None, "pipeline": ["sft", "grpo"]})
+    with_env = validate_config(merge(base, {"environment": {"fn": "calculator"}}))
+    stages = next(iter(build_plan(with_env).variants.values())).stages
+    assert "reward" not in stages and "reward" not in stages["grpo"].inputs  # episodes: the data's prompts split
+    assert "reward" in next(iter(build_plan(validate_config(base)).variants.values())).stages
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "env.py").write_text("class NotAnEnvironment:\n    pass\n")
+    with pytest.raises(ConfigError, match=r"environment.fn: environment 'env.py:NotAnEnvironment': .* is not a subclass"):
+        validate_config(merge(base, {"environment": {"fn": "env.py:NotAnEnvironment"}}))
+    with pytest.raises(ConfigError, match=r"environment.fn: environment 'calculater': not a built-in"):
+        validate_config(merge(base, {"environment": {"fn": "calculater"}}))
+
+
+def test_the_evaluate_stage_scores_episodes(tmp_path, monkeypatch):
+    """With an environment, evaluate's greedy and sampled completions are episodes: guess-the-number scored by the
+    environment's reward, with turns and tool calls in its metrics."""
+    from eval_fixtures import run_stage, write_config
+    from posttrain.model_files import save_hf_model
+    from posttrain.models import Transformer, preset_config
+    from sft_testing import prepare_data, resolved_config
+
+    import torch
+
+    data_cfg = {"n_sft": 40, "n_preference": 4, "n_prompts": 4, "n_eval": 6, "max_seq_len": 48, "vocab_size": 300}
+    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
+    tok = Tokenizer(data / "tokenizer")
+    torch.manual_seed(0)
+    hf = preset_config("tiny-student", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    model = tmp_path / "model"
+    save_hf_model(Transformer(hf).state_dict(), hf, model)
+    from posttrain.utils.provenance import write_provenance
+    write_provenance(model, {"key": "m", "upstream": {}}, "sft", 0.0, {})
+    cfg = resolved_config("evaluate", "env-eval", data=data_cfg, reward={"verifiers": ["environment"]},
+                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 4, "lm_eval_tasks": []})
+    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 40, "args": {"high": 4}}
+    out = tmp_path / "eval"
+    run_stage("evaluate", ["--config", write_config(tmp_path / "eval.json", cfg), "--data", data, "--model", model,
+                           "--out", out], monkeypatch)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_prompts"] == 6 and 1 <= metrics["turns_mean"] <= 3 and metrics["tool_calls_mean"] == 0
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and "pass@2" in metrics
