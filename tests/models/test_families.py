@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_testing import hf_greedy
 from posttrain.generation.sampler import SamplingParams, generate
 from posttrain.model_files import load_hf_model
 from posttrain.models import ModelArgs, ModelConfigError, Transformer
@@ -122,13 +123,7 @@ def test_greedy_generation_matches_transformers(pair):
     prompts = [ids(1, 9, seed=5)[0].tolist(), ids(1, 5, seed=6)[0].tolist()]
     new = 8
     out = generate(ours, prompts, SamplingParams(max_new_tokens=new, temperature=0.0), pad_id=0)
-    longest = max(map(len, prompts))
-    padded = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = hf.generate(padded, attention_mask=attention, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    assert out.tokens == ref[:, longest:].tolist()
+    assert out.tokens == hf_greedy(hf, prompts, new)
 
 
 def test_dry_run_accepts_the_folder(pair):

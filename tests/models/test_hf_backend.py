@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from hf_testing import hf_greedy, left_padded
 from posttrain.generation.sampler import SamplingParams, generate
 from posttrain.model_files import CheckpointError, load_hf_model
 from posttrain.models.args import ModelConfigError, model_backend
@@ -104,15 +105,12 @@ def test_greedy_generation_matches_transformers(family):
     prompts = [ids(1, 9, seed=8)[0].tolist(), ids(1, 5, seed=9)[0].tolist()]
     new = 6
     out = generate(ours, prompts, SamplingParams(max_new_tokens=new, temperature=0.0), pad_id=0)
-    longest = max(map(len, prompts))
-    padded = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    hf.generation_config.eos_token_id = None
+    ref = hf_greedy(hf, prompts, new)
+    assert out.tokens == ref
+    padded, attention = left_padded(prompts)
     with torch.no_grad():
-        ref = hf.generate(padded, attention_mask=attention, max_new_tokens=new, do_sample=False, pad_token_id=0)
         first = torch.log_softmax(hf(padded, attention_mask=attention).logits[:, -1].float(), -1)
-    assert out.tokens == ref[:, longest:].tolist()
-    expected = first.gather(-1, ref[:, longest:longest + 1]).squeeze(-1)
+    expected = first.gather(-1, torch.tensor([[r[0]] for r in ref])).squeeze(-1)
     assert torch.allclose(torch.tensor([lp[0] for lp in out.logprobs]), expected, atol=1e-5)
 
 
