@@ -68,6 +68,7 @@ def variant_config(features: str, reference: str, low_bit: str | None) -> dict[s
         memory["low_bit_optimizer"] = low_bit
     return {
         "seed": 0,
+        "model": {"backend": "native"},
         "memory": memory,
         "parallel": {"tp": 1, "dp_replicate": 1},
         "dpo": {

@@ -76,6 +76,7 @@ def model_config(layers: int) -> dict[str, Any]:
 def variant_config(names: tuple[str, ...]) -> dict[str, Any]:
     cfg = {
         "seed": 0,
+        "model": {"backend": "native"},
         "memory": dict(BASELINE_MEMORY),
         "parallel": {"tp": 1, "dp_replicate": 1},
         "sft": {

@@ -148,7 +148,7 @@ def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
     grpo = {**_optimizer_section(s), "std_normalize": True, "clip_eps": s.clip_eps, "clip_eps_high": None,
             "temperature": s.temperature, "tis_cap": 2.0, "advantage": "grpo", "inner_epochs": 1,
             "micro_batch_size": s.prompts * s.group, "token_level": True, "ratio": "token", "kl_coef": 0.0}
-    cfg = {"seed": s.seed, "memory": _memory_defaults(), "parallel": {"tp": 1, "dp_replicate": 1}, "grpo": grpo}
+    cfg = {"seed": s.seed, "model": {"backend": "native"}, "memory": _memory_defaults(), "parallel": {"tp": 1, "dp_replicate": 1}, "grpo": grpo}
     model, optimization, mesh, device = _model_and_optimization(folder, cfg, "grpo")
     if mesh is not None:
         raise ValueError("the GRPO peer run is one process on CPU (run it with plain python)")

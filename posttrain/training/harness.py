@@ -317,7 +317,7 @@ class StageRun:
         the resume state, leave the process group."""
         self.metrics.close()
         summary = {**summary, **self.selection_summary()} if self.memory is not None else summary
-        summary = {**summary, "backend": self.backend}
+        summary = {**summary, "model_backend": self.backend}
         save_final_model(
             self.out, model, hf_config=hf_config, tokenizer=self.tokenizer, cfg=self.cfg, started=self.started,
             summary=summary, metrics_path=self.checkpointer.metrics_path, is_main=self.is_main, base_model=base_model,

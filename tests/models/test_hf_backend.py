@@ -156,7 +156,7 @@ def test_sft_trains_the_family_and_writes_a_folder_transformers_loads(name, tmp_
     assert "packed rows run as per-document position ids" in proc.stderr
     losses = train_losses(metrics(tmp_path / "out"))
     summary = json.loads((tmp_path / "out" / "posttrain.json").read_text())
-    assert summary["metrics"]["backend"] == "transformers", summary
+    assert summary["metrics"]["model_backend"] == "transformers", summary
     assert summary["metrics"]["eval_loss_after"] < summary["metrics"]["eval_loss_before"], summary
     assert losses[-1] < losses[0], losses
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
