@@ -117,14 +117,18 @@ def main() -> None:
         reference, ref_head = model, head
 
     # --- rollouts: generators (in this process, or Ray actors) fed by the reward stage's prompts ---
+    episodes = EpisodeSettings.from_config(cfg["environment"], os.getcwd())
+    # vLLM's context: a prompt and its completion; an episode's first prompt (the environment's messages, its
+    # tools' system text) is not bounded by the data's max_seq_len, so episodes get the model's own context.
+    max_model_len = None if episodes else cfg["data"]["max_seq_len"] + grpo["max_new_tokens"]
     spec = WorkerSpec(
         backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=grpo["group_size"],
         temperature=grpo["temperature"], max_new_tokens=grpo["max_new_tokens"],
         verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=grpo["rm_weight"],
         pretrained_reward_model=pretrained_source(cfg["reward_model"]["source"]),
         rm_normalize=cfg["reward_model"]["normalize"], workdir=os.getcwd(),
-        max_batch_size=GENERATION_BATCH, max_model_len=cfg["data"]["max_seq_len"] + grpo["max_new_tokens"],
-        seed=cfg["seed"], device=str(run.device), episodes=EpisodeSettings.from_config(cfg["environment"], os.getcwd()),
+        max_batch_size=GENERATION_BATCH, max_model_len=max_model_len,
+        seed=cfg["seed"], device=str(run.device), episodes=episodes,
     )
     collection = build_collection(
         model, spec, lambda rank, size: training_prompts(args.data, args.reward, grpo["prompts_per_step"], cfg["seed"], rank, size),

@@ -43,9 +43,9 @@ def starting_policy(tmp: Path, seed: int | None = None, threads: int = 1) -> tup
 RANDOM_DATA = {**SMALL_DATA, "n_prompts": 32}
 
 
-def random_policy(tmp: Path) -> tuple[Path, Path]:
+def random_policy(tmp: Path, data_cfg: dict[str, Any] = RANDOM_DATA) -> tuple[Path, Path]:
     """(data folder, model folder) of a small random model, for plumbing tests (pair with `length_reward`)."""
-    data = prepare_data(tmp, RANDOM_DATA)
+    data = prepare_data(tmp, data_cfg)
     tok = Tokenizer(data / "tokenizer")
     torch.manual_seed(0)
     hf = preset_config("tiny", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
@@ -103,3 +103,20 @@ def length_reward(completion: str, example: dict[str, Any]) -> float:
 def digit_reward(completion: str, example: dict[str, Any]) -> float:
     """The share of digits in a completion: a random model's samples vary in it, and GRPO raises it in a few steps."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+# Two-digit sums: short answers a briefly trained model gives as a number and then ends its turn.
+GAME_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 2}], "n_sft": 200, "n_preference": 4,
+             "n_prompts": 32, "n_eval": 8, "max_seq_len": 48, "vocab_size": 300}
+GUESS_NUMBER = {"fn": "guess_number", "max_turns": 3, "max_tokens": 80, "args": {"high": 4}}
+
+
+def turn_ending_policy(tmp: Path) -> tuple[Path, Path]:
+    """(data folder, model folder): `random_policy`'s shape (vLLM takes it) fine-tuned for 60 steps on GAME_DATA,
+    so it answers with a number and ends its turn: guess-the-number episodes (GUESS_NUMBER) run several turns,
+    where a random model's first turn is cut by the token cap."""
+    data, start = random_policy(tmp, GAME_DATA)
+    cfg = resolved_config("sft", "turn-ending", data=GAME_DATA, model={"policy": str(start)},
+                          sft={"steps": 60, "batch_size": 16, "lr": 3e-3, "warmup_steps": 5, "checkpoint_every": 1000})
+    run_sft(cfg, data, tmp / "turn-ending")
+    return data, tmp / "turn-ending"

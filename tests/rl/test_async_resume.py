@@ -5,7 +5,9 @@ checkpoint at 4: the rerun resumes from step 2), SIGKILL after step 4 (right aft
 the rest. At both checkpoints the generators hold work in flight, sampled by policy versions older than the
 trainer's; the resumed runs must sample those tickets again with exactly those versions' weights. The
 cases: staleness bound 1 and 2 over two generators, DAPO's dynamic sampling (extra draws per step) with
-PPO (the critic) in one run, and two trainer processes. About a minute each on 2 cores (mostly the
+PPO (the critic) in one run, two trainer processes, and multi-turn episodes (guess-the-number: a ticket in
+flight is a whole episode, sampled again turn by turn with its version's weights; the environment is
+deterministic, so the resumed trajectories are the killed run's). About a minute each on 2 cores (mostly the
 processes' and Ray's start, four runs per case).
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from grpo_testing import RANDOM_DATA, grpo_config, random_policy, run_grpo
+from grpo_testing import GAME_DATA, GUESS_NUMBER, RANDOM_DATA, grpo_config, random_policy, run_grpo, turn_ending_policy
 from sft_testing import ROOT, weights
 from posttrain.training.checkpointer import resume_dir
 
@@ -35,12 +37,18 @@ CASES: dict[str, dict[str, Any]] = {
     "dynamic-sampling-ppo": {"max_staleness": 1, "dynamic_sampling": True, "max_resamples": 2, "advantage": "gae",
                              "critic_lr": 1e-3},
     "two-trainers": {"max_staleness": 2, "nproc": 2},
+    "multi-turn": {"max_staleness": 1, "environment": GUESS_NUMBER},
 }
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     return random_policy(tmp_path_factory.mktemp("async-resume-policy"))
+
+
+@pytest.fixture(scope="module")
+def game_policy(tmp_path_factory):
+    return turn_ending_policy(tmp_path_factory.mktemp("async-resume-game-policy"))
 
 
 def records(out: Path) -> list[dict[str, Any]]:
@@ -59,16 +67,20 @@ def in_flight(out: Path) -> tuple[int, list[tuple[int, int]], list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metrics(case, policy, tmp_path):
+def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metrics(case, request, tmp_path):
     settings = dict(CASES[case])
-    nproc = settings.pop("nproc", 1)
+    nproc, environment = settings.pop("nproc", 1), settings.pop("environment", None)
     staleness, dynamic = settings["max_staleness"], settings.get("dynamic_sampling", False)
-    # parity_reward leaves some groups flat (dynamic sampling draws again); length_reward varies in every group
-    verifier = "grpo_testing:parity_reward" if dynamic else "grpo_testing:length_reward"
-    data, model = policy
-    cfg = grpo_config(case, data=RANDOM_DATA, reward={"verifiers": [verifier]}, steps=STEPS, checkpoint_every=EVERY,
-                      prompts_per_step=4, group_size=2, max_new_tokens=8, eval_prompts=4, lr=1e-3, mode="async",
-                      generators=2, **settings)
+    # parity_reward leaves some groups flat (dynamic sampling draws again); length_reward varies in every group;
+    # episodes: the game's reward and `format`
+    verifiers = (["environment", "format"] if environment else
+                 ["grpo_testing:parity_reward" if dynamic else "grpo_testing:length_reward"])
+    data, model = request.getfixturevalue("game_policy" if environment else "policy")
+    cfg = grpo_config(case, data=GAME_DATA if environment else RANDOM_DATA, reward={"verifiers": verifiers},
+                      steps=STEPS, checkpoint_every=EVERY, prompts_per_step=4, group_size=2, max_new_tokens=8,
+                      eval_prompts=4, lr=1e-3, mode="async", generators=2, **settings)
+    if environment:
+        cfg["environment"] = environment
     env = {"PYTHONPATH": str(ROOT / "tests")}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_grpo(cfg, data, model, whole, nproc=nproc, **env)
@@ -110,5 +122,7 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metric
         assert all(r["staleness"] <= staleness for r in steps) and max(r["staleness"] for r in steps) == staleness
     else:
         assert [r["staleness"] for r in steps] == [min(s, staleness) for s in range(STEPS)]
+    if environment:  # the episodes ran several turns, in the killed runs as in the whole one
+        assert all(r["turns_mean"] > 1.5 for r in steps), [r["turns_mean"] for r in steps]
     if settings.get("advantage") == "gae":
         assert all(r["value_loss"] > 0 for r in steps)

@@ -195,28 +195,21 @@ def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path)
     `format` beside the game's reward gives the groups a signal):
     episodes take several turns (the environment answers until the number is found), the metrics say so, and
     the run trains and writes its output."""
-    from grpo_testing import grpo_config, run_grpo, step_records
-    from sft_testing import prepare_data, resolved_config, run_sft
+    from grpo_testing import GAME_DATA, GUESS_NUMBER, grpo_config, run_grpo, step_records, turn_ending_policy
+    from sft_testing import weights
     from torch import equal as torch_equal
 
-    data_cfg = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 2}], "n_sft": 200, "n_preference": 4,
-                "n_prompts": 32, "n_eval": 8, "max_seq_len": 48, "vocab_size": 300}
-    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
-    sft = resolved_config("sft", "env-start", data=data_cfg, sft={"steps": 60, "batch_size": 16, "lr": 3e-3,
-                                                                  "warmup_steps": 5, "checkpoint_every": 1000})
-    policy = tmp_path / "sft"
-    run_sft(sft, data, policy)
-    cfg = grpo_config("env", data=data_cfg, reward={"verifiers": ["environment", "format"]}, steps=2, prompts_per_step=4,
-                      group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100, log_every=1, lr=1e-3)
-    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 80, "args": {"high": 4}}
+    data, policy = turn_ending_policy(tmp_path)
+    cfg = grpo_config("env", data=GAME_DATA, reward={"verifiers": ["environment", "format"]}, steps=2,
+                      prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100,
+                      log_every=1, lr=1e-3)
+    cfg["environment"] = GUESS_NUMBER
     out = tmp_path / "grpo"
     run_grpo(cfg, data, policy, out)
     records = step_records(out)
     assert len(records) == 2
     assert all(r["turns_mean"] > 1.5 for r in records), [r["turns_mean"] for r in records]
     assert all(r["tool_calls_mean"] == 0 for r in records)  # the game offers no tools
-    from sft_testing import weights
-
     trained, start = weights(out), weights(policy)
     assert any(not torch_equal(trained[k], start[k]) for k in start)  # the policy's own tokens were trained on
 
