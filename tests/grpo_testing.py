@@ -59,9 +59,11 @@ def random_policy(tmp: Path, data_cfg: dict[str, Any] = RANDOM_DATA) -> tuple[Pa
 
 
 def grpo_config(key: str, data: dict[str, Any] | None = None, reward: dict[str, Any] | None = None,
-                **grpo: Any) -> dict[str, Any]:
-    """The default config's grpo section with overrides, on the task data's settings."""
-    cfg = resolved_config("grpo", key, data={**TASK_DATA, **(data or {})}, grpo=grpo, reward=reward or {})
+                environment: dict[str, Any] | None = None, **grpo: Any) -> dict[str, Any]:
+    """The default config's grpo section with overrides, on the task data's settings (`environment`: the
+    environment section's overrides, for multi-turn episodes)."""
+    cfg = resolved_config("grpo", key, data={**TASK_DATA, **(data or {})}, grpo=grpo, reward=reward or {},
+                          environment=environment or {})
     cfg["upstream"] = {"prepare_data": "test-data", "dpo": "test-policy"}
     return cfg
 

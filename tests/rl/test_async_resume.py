@@ -78,9 +78,7 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metric
     data, model = request.getfixturevalue("game_policy" if environment else "policy")
     cfg = grpo_config(case, data=GAME_DATA if environment else RANDOM_DATA, reward={"verifiers": verifiers},
                       steps=STEPS, checkpoint_every=EVERY, prompts_per_step=4, group_size=2, max_new_tokens=8,
-                      eval_prompts=4, lr=1e-3, mode="async", generators=2, **settings)
-    if environment:
-        cfg["environment"] = environment
+                      eval_prompts=4, lr=1e-3, mode="async", generators=2, environment=environment, **settings)
     env = {"PYTHONPATH": str(ROOT / "tests")}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_grpo(cfg, data, model, whole, nproc=nproc, **env)

@@ -202,8 +202,7 @@ def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path)
     data, policy = turn_ending_policy(tmp_path)
     cfg = grpo_config("env", data=GAME_DATA, reward={"verifiers": ["environment", "format"]}, steps=2,
                       prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100,
-                      log_every=1, lr=1e-3)
-    cfg["environment"] = GUESS_NUMBER
+                      log_every=1, lr=1e-3, environment=GUESS_NUMBER)
     out = tmp_path / "grpo"
     run_grpo(cfg, data, policy, out)
     records = step_records(out)
@@ -251,8 +250,8 @@ def test_the_evaluate_stage_scores_episodes(tmp_path, monkeypatch):
     from posttrain.utils.provenance import write_provenance
     write_provenance(model, {"key": "m", "upstream": {}}, "sft", 0.0, {})
     cfg = resolved_config("evaluate", "env-eval", data=data_cfg, reward={"verifiers": ["environment"]},
-                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 4, "lm_eval_tasks": []})
-    cfg["environment"] = {"fn": "guess_number", "max_turns": 3, "max_tokens": 40, "args": {"high": 4}}
+                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 4, "lm_eval_tasks": []},
+                          environment={"fn": "guess_number", "max_turns": 3, "max_tokens": 40, "args": {"high": 4}})
     out = tmp_path / "eval"
     run_stage("evaluate", ["--config", write_config(tmp_path / "eval.json", cfg), "--data", data, "--model", model,
                            "--out", out], monkeypatch)

@@ -44,8 +44,7 @@ def test_multi_turn_episodes_from_vllm_are_the_tokens_the_trainer_scores(tmp_pat
     data, policy = turn_ending_policy(tmp_path)
     cfg = grpo_config("vllm-episodes", data=GAME_DATA, reward={"verifiers": ["environment", "format"]},
                       backend="vllm", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4,
-                      lr=1e-3, checkpoint_every=100, log_every=1)
-    cfg["environment"] = GUESS_NUMBER
+                      lr=1e-3, checkpoint_every=100, log_every=1, environment=GUESS_NUMBER)
     out = tmp_path / "grpo"
     run_grpo(cfg, data, policy, out)
     records = step_records(out)
