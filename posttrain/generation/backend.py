@@ -25,6 +25,7 @@ from posttrain.model_files import load_hf_model, load_state_into, model_tensors,
 from posttrain.model_files.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_folder
 from posttrain.generation.sampler import GenerationOutput, SamplingParams, generate
 from posttrain.models import Transformer
+from posttrain.utils.digest import HeldDigests, tensor_digest
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike
 
@@ -46,6 +47,11 @@ class GenerationBackend(Protocol):
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """Load new policy weights (state dict in HF names, or an HF folder) as policy `version`."""
+        ...
+
+    def held_digests(self, shapes: Mapping[str, Sequence[int]]) -> HeldDigests:
+        """(dtype, `tensor_digest`) of each weight named in `shapes` (HF names and shapes) as this engine samples with
+        it, for the check of each weight push; a weight it does not hold is left out."""
         ...
 
 
@@ -100,9 +106,9 @@ class NativeBackend:
             self.model.train(was_training)
         return out
 
-    def held_weights(self) -> dict[str, torch.Tensor]:
-        """The weights this backend samples with (for the trainer's check of each push)."""
-        return dict(self.model.state_dict())
+    def held_digests(self, shapes: Mapping[str, Sequence[int]]) -> HeldDigests:
+        state = self.model.state_dict()
+        return {name: (state[name].dtype, tensor_digest(state[name])) for name in shapes if name in state}
 
     def update_weights(self, weights: Weights, version: int) -> None:
         _check_version(self.version, version)
@@ -259,6 +265,64 @@ class VLLMBackend:
         if path.parent == Path(self._tmp.name):
             shutil.rmtree(path)
         self.version = version
+
+    def held_digests(self, shapes: Mapping[str, Sequence[int]]) -> HeldDigests:
+        """Read back from the engine's model on its worker: fused projections sliced apart, vocabulary padding cut
+        off, and on CPU, where vLLM keeps linear weights only inside prepacked GEMM kernels, each read through its
+        kernel, so the check sees the values generation computes with."""
+        held = self.llm.collective_rpc(_held_digests_on_worker, args=({n: list(s) for n, s in shapes.items()},))
+        if len(held) != 1:
+            raise NotImplementedError(f"reading weights back from {len(held)} vLLM workers (tensor parallelism); "
+                                      "set grpo.verify_weights: false to rely on grpo.max_logprob_gap alone")
+        return held[0]
+
+
+def _held_digests_on_worker(worker: Any, shapes: dict[str, list[int]]) -> HeldDigests:
+    """`VLLMBackend.held_digests` on a vLLM worker (one process: the model's digests, not its tensors, come back)."""
+    model = worker.get_model()
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    held = {}
+    for name, shape in shapes.items():
+        tensor = _vllm_tensor(model, name, shapes, packed)
+        if tensor is not None:
+            tensor = tensor[tuple(slice(0, n) for n in shape)]  # the vocabulary padded to a multiple
+            held[name] = (tensor.dtype, tensor_digest(tensor))
+    embed = "model.embed_tokens.weight"
+    if embed in held and "lm_head.weight" not in shapes and hasattr(model, "lm_head"):
+        # tied embeddings: the LM head's copy (its own prepacked kernel on CPU) must hold the same values
+        head = _vllm_tensor(model, "lm_head.weight", shapes, packed)
+        if head is not None and tensor_digest(head[tuple(slice(0, n) for n in shapes[embed])]) != held[embed][1]:
+            held[embed] = (head.dtype, tensor_digest(head[tuple(slice(0, n) for n in shapes[embed])]))
+    return held
+
+
+def _vllm_tensor(model: torch.nn.Module, name: str, shapes: Mapping[str, Sequence[int]],
+                 packed: Mapping[str, Sequence[str]]) -> torch.Tensor | None:
+    """The engine's tensor for HF weight `name`: its rows of a fused module (`qkv_proj` holds q, k and v in turn)."""
+    module_name, _, kind = name.rpartition(".")
+    parent, _, leaf = module_name.rpartition(".")
+    target, rows = module_name, slice(None)
+    for fused, parts in packed.items():
+        if leaf in parts and f"{parent}.{fused}" != module_name:
+            offset = sum(shapes[f"{parent}.{p}.{kind}"][0] for p in parts[: list(parts).index(leaf)])
+            target, rows = f"{parent}.{fused}", slice(offset, offset + shapes[name][0])
+            break
+    try:
+        module = model.get_submodule(target)
+    except AttributeError:
+        return None
+    if kind == "weight" and hasattr(module, "cpu_linear") and (module.weight.numel() == 0 or target.endswith("lm_head")):
+        return _through_cpu_kernel(module)[rows]
+    tensor = getattr(module, kind, None)
+    return tensor.detach()[rows] if isinstance(tensor, torch.Tensor) else None
+
+
+def _through_cpu_kernel(module: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight as its CPU kernel holds it: the kernel applied to the identity (exact: one product by 1
+    per output, the rest by 0; -0.0 comes back as 0.0, which `tensor_digest` counts alike)."""
+    width = module.weight.shape[1] if module.weight.numel() else module.input_size_per_partition
+    with torch.no_grad():
+        return module.cpu_linear(torch.eye(width, dtype=module.weight.dtype), module.weight, None).t()
 
 
 def build_backend(name: str, model_dir: str | os.PathLike, *, pad_id: int, decode: Callable[[list[int]], str] | None,

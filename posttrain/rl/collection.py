@@ -48,7 +48,7 @@ from posttrain.parallel import broadcast_from_main
 from posttrain.rl.sync_collector import PromptFeed, SyncCollector
 from posttrain.rl.ray_collector import RayCollector, split_groups, start_ray
 from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, WorkerSpec, build_worker, rollout_stats
-from posttrain.rl.weights import check_digests, corrupted_for_test, policy_weights, weights_digest
+from posttrain.rl.weights import corrupted_for_test, policy_weights, weights_digest
 from posttrain.training.stats import data_parallel_sum, max_over_ranks
 
 PromptLoader = Callable[[int, int], Batches]  # (rank, world size) -> the prompt batches of that shard
@@ -117,6 +117,11 @@ class _Collection:
         flat = [g for g in sampled if not informative(g)]
         return _Draw((kept + flat)[:size], sampled, min(d.version for d in draws), draws[-1].ticket,
                      sum(d.generate_s for d in draws), sum(d.wait_s for d in draws))
+
+    def _sent(self, weights: Mapping[str, torch.Tensor]) -> dict[str, int] | None:
+        """The digests a push carries (`grpo.verify_weights`): the generator checks it then samples with exactly
+        these weights (`posttrain.rl.weights.verify_push`)."""
+        return weights_digest(weights) if self.grpo["verify_weights"] else None
 
     def _draw(self) -> _Draw:
         """The rollouts of the next prompt batch (this rank's in sync mode, the whole step's in async)."""
@@ -191,7 +196,8 @@ class SyncCollection(_Collection):
         self.collector = SyncCollector(self.eval_worker, self.feed)
 
     def _start_at(self, version: int) -> None:
-        self.eval_worker.start_at(policy_weights(self.model, every_rank=True), version)
+        weights = policy_weights(self.model, every_rank=True)
+        self.eval_worker.start_at(weights, version, self._sent(weights))
 
     def _draw(self) -> _Draw:
         rollouts, wait_s = self.collector.next(self.version)
@@ -208,19 +214,7 @@ class SyncCollection(_Collection):
     def push_weights(self) -> None:
         self.version += 1
         weights = policy_weights(self.model, every_rank=True)
-        self.collector.push_weights(corrupted_for_test(weights, self.version), self.version)
-        self._verify(weights)
-
-    def _verify(self, weights: dict[str, torch.Tensor]) -> None:
-        """The generator holds exactly the trainer's weights (`grpo.verify_weights`; the native backend, whose
-        weights this process can read; vLLM's are checked by the log-prob gap)."""
-        held = getattr(self.eval_worker.backend, "held_weights", None)
-        if not self.grpo["verify_weights"] or held is None:
-            return
-        generator = held()
-        dtypes = {name: generator[name].dtype for name in weights if name in generator}
-        check_digests(weights_digest(weights, dtypes), weights_digest({k: generator[k] for k in weights if k in generator}),
-                      self.version)
+        self.collector.push_weights(corrupted_for_test(weights, self.version), self.version, self._sent(weights))
 
 
 class AsyncCollection(_Collection):
@@ -277,7 +271,7 @@ class AsyncCollection(_Collection):
         weights = policy_weights(self.model, every_rank=False)
         if self.collector is not None:
             # the feed stands at the first ticket in flight: those go out again before the trainer's version
-            self.collector.start_at(weights, version, self._in_flight, self._earlier)
+            self.collector.start_at(weights, version, self._in_flight, self._earlier, self._sent(weights))
             self._in_flight, self._earlier = [], {}
 
     def ready(self) -> float:
@@ -299,7 +293,7 @@ class AsyncCollection(_Collection):
         self.version += 1
         weights = policy_weights(self.model, every_rank=False)
         if self.collector is not None:
-            self.collector.push_weights(weights, self.version)
+            self.collector.push_weights(corrupted_for_test(weights, self.version), self.version, self._sent(weights))
 
     def held_out_accuracy(self, prompts: PromptBatch) -> float:
         if self.eval_worker.version != self.version:  # the native eval worker follows the trainer only when asked

@@ -42,6 +42,7 @@ from posttrain.generation.backend import Weights
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts
 from posttrain.rl.sync_collector import PromptFeed, WorkItem
 from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
+from posttrain.rl.weights import WeightSyncError
 
 RAY_INSTALL_HINT = "grpo.mode: async needs Ray: `pip install posttrain[ray]` (ray==2.60.0), or set grpo.mode: sync"
 # Read by ray at import and start: a local cluster on loopback only, no auth token file.
@@ -102,12 +103,12 @@ class GeneratorActor:
         self.worker = build_worker(spec)
         self.applied: list[int] = []  # every version loaded, in order (for checks and logs)
 
-    def start_at(self, weights: Weights, version: int) -> int:
-        self.applied.append(self.worker.start_at(weights, version))
+    def start_at(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> int:
+        self.applied.append(self.worker.start_at(weights, version, sent))
         return version
 
-    def update_weights(self, weights: Weights, version: int) -> int:
-        self.applied.append(self.worker.update_weights(weights, version))
+    def update_weights(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> int:
+        self.applied.append(self.worker.update_weights(weights, version, sent))
         return version
 
     def collect(self, ticket: int, prompts: PromptBatch, seed: int) -> StepRollouts:
@@ -153,7 +154,7 @@ class RayCollector:
         return self.ready_s
 
     def start_at(self, weights: Weights, version: int, in_flight: Sequence[tuple[int, int]] = (),
-                 earlier: Mapping[int, Weights] | None = None) -> None:
+                 earlier: Mapping[int, Weights] | None = None, sent: Mapping[str, int] | None = None) -> None:
         """Give every actor the trainer's weights as `version` (a resumed run), before any other work.
 
         `in_flight`: the (ticket, version) pairs the checkpointed run had dispatched and not trained
@@ -175,13 +176,15 @@ class RayCollector:
                 raise ValueError(f"prompt feed resumed at ticket {item.step}, the checkpoint has ticket {ticket} "
                                  "in flight: feed position and in-flight work disagree")
             self._send(item)
-        self._send_weights(weights, version, first=True)
+        self._send_weights(weights, version, first=True, sent=sent)
 
-    def _send_weights(self, weights: Weights, version: int, first: bool = False) -> None:
-        """Queue `version` on every actor behind its earlier calls (`first`: a jump, as loaded on resume)."""
+    def _send_weights(self, weights: Weights, version: int, first: bool = False,
+                      sent: Mapping[str, int] | None = None) -> None:
+        """Queue `version` on every actor behind its earlier calls (`first`: a jump, as loaded on resume); with
+        `sent` (the trainer's digests), each actor checks it then holds exactly those weights."""
         ref = self.ray.put(weights)
         method = "start_at" if first else "update_weights"
-        self.acks += [getattr(a, method).remote(ref, version) for a in self.actors]
+        self.acks += [getattr(a, method).remote(ref, version, sent) for a in self.actors]
         self.version = version
         self.weight_refs[version] = ref
         self._forget_weights()
@@ -228,7 +231,16 @@ class RayCollector:
 
     def _check_acks(self) -> None:
         done, self.acks = self.ray.wait(self.acks, num_returns=len(self.acks), timeout=0) if self.acks else ([], [])
-        self.ray.get(done)  # re-raises a version refused by an actor
+        self._get_acks(done)
+
+    def _get_acks(self, refs: list[Any]) -> None:
+        """Re-raise a version an actor refused; a failed weight check as itself (one line, not the actor's trace)."""
+        try:
+            self.ray.get(refs)
+        except self.ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, WeightSyncError):
+                raise e.cause from None
+            raise
 
     def next(self, trainer_version: int) -> tuple[StepRollouts, float]:
         """(the next step batch within the staleness bound, seconds the trainer waited for it)."""
@@ -252,9 +264,9 @@ class RayCollector:
             del self.dispatched[ticket]
         self._forget_weights()
 
-    def push_weights(self, weights: Weights, version: int) -> None:
+    def push_weights(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> None:
         """Send policy `version` to every actor through the object store (one copy), queued behind earlier work."""
-        self._send_weights(weights, version)
+        self._send_weights(weights, version, sent=sent)
 
     def nodes(self) -> list[str]:
         """The node of each generator actor."""
@@ -267,7 +279,7 @@ class RayCollector:
     def close(self) -> None:
         """Confirm the last updates, then stop the actors (work still queued is abandoned)."""
         try:
-            self.ray.get(self.acks)
+            self._get_acks(self.acks)
         finally:
             for actor in self.actors:
                 self.ray.kill(actor)

@@ -9,6 +9,7 @@ are ready to train on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from posttrain.generation.backend import GenerationBackend, Weights, build_backe
 from posttrain.generation.sampler import SamplingParams
 from posttrain.rewards.reward_model import PretrainedRewardModel, load_reward_model, normalize_scores, score_sequences
 from posttrain.rewards.verifiers import Rewards
+from posttrain.rl.weights import verify_push
 from posttrain.tokenizer import Tokenizer
 
 
@@ -143,20 +145,31 @@ class RolloutWorker:
     def version(self) -> int:
         return self.backend.version
 
-    def start_at(self, weights: Weights, version: int) -> int:
+    def start_at(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> int:
         """Load the trainer's weights as `version` before any update (a resumed run starts past version 0)."""
         self.backend.update_weights(weights, version)
+        self._verify(weights, sent, version)
         return version
 
-    def update_weights(self, weights: Weights, version: int) -> int:
-        """Load policy `version`; refuses a version that skips one (an update was lost) or goes back."""
+    def update_weights(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> int:
+        """Load policy `version`; refuses a version that skips one (an update was lost) or goes back. With `sent`
+        (the trainer's digests of the weights), checks the generator then samples with exactly them."""
         if version != self.backend.version + 1:
             raise ValueError(
                 f"generator holds policy version {self.backend.version} and was sent version {version}; "
                 "weight updates must arrive one version at a time, in order"
             )
         self.backend.update_weights(weights, version)
+        self._verify(weights, sent, version)
         return version
+
+    def _verify(self, weights: Weights, sent: Mapping[str, int] | None, version: int) -> None:
+        if sent is None:
+            return
+        if isinstance(weights, (str, os.PathLike)):
+            raise TypeError("a push checked against the trainer's digests must be a state dict, not a folder")
+        held = self.backend.held_digests({name: tuple(t.shape) for name, t in weights.items()})
+        verify_push(sent, weights, held, version)
 
     def run_episodes(self, examples: Sequence[Mapping[str, Any]], params: SamplingParams, seed: int) -> list[Trajectory]:
         """One episode per row of `examples`, each in a fresh environment."""

@@ -11,6 +11,7 @@ trainer asks, with the trainer's current weights (on-policy, staleness 0). The R
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,5 +82,5 @@ class SyncCollector:
         seconds = time.perf_counter() - t0
         return StepRollouts(ticket=item.step, version=self.worker.version, payload=groups, generate_s=seconds), seconds
 
-    def push_weights(self, weights: Weights, version: int) -> None:
-        self.worker.update_weights(weights, version)
+    def push_weights(self, weights: Weights, version: int, sent: Mapping[str, int] | None = None) -> None:
+        self.worker.update_weights(weights, version, sent)

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from posttrain.models.lora import merged_state_dict
 from posttrain.parallel import gather_full_state_dict
 from posttrain.parallel.expert_parallel import gather_expert_states, uses_expert_parallel
+from posttrain.utils.digest import HeldDigests, tensor_digest
 
 
 def policy_weights(model: nn.Module, every_rank: bool) -> dict[str, torch.Tensor]:
@@ -38,18 +39,9 @@ class WeightSyncError(RuntimeError):
     """A generator holds other weights than the trainer sent, or samples far from the trainer's policy."""
 
 
-def tensor_digest(tensor: torch.Tensor) -> int:
-    """An exact checksum of a tensor's bits (the same on any device): its elements read as integers, each weighed by
-    its position, summed in int64 (wrapping alike everywhere), so a changed, moved or missing value shows."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    ints = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).long()
-    weights = torch.arange(ints.numel(), device=ints.device) % 65521 + 1
-    return int((ints * weights).sum())
-
-
-def weights_digest(state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, int]:
-    """`tensor_digest` of every tensor, each cast first to the dtype the generator holds it in (`dtypes`)."""
-    return {name: tensor_digest(t.to(dtypes[name]) if dtypes and name in dtypes else t) for name, t in state.items()}
+def weights_digest(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """`tensor_digest` of every tensor: what the trainer sends beside a push."""
+    return {name: tensor_digest(t) for name, t in state.items()}
 
 
 def check_digests(sent: Mapping[str, int], held: Mapping[str, int], version: int) -> None:
@@ -61,6 +53,16 @@ def check_digests(sent: Mapping[str, int], held: Mapping[str, int], version: int
     if wrong:
         raise WeightSyncError(f"policy version {version}: the generator's {wrong[0]!r} differs from the trainer's "
                               f"({len(wrong)} of {len(sent)} tensors); the weight push or load is broken")
+
+
+def verify_push(sent: Mapping[str, int], received: Mapping[str, torch.Tensor], held: HeldDigests, version: int) -> None:
+    """The push arrived as the trainer sent it (`sent`, the trainer's digests) and the generator samples with exactly
+    it (`held`, read back from the generator): each received tensor, in the dtype the generator holds it in."""
+    got = weights_digest(received)
+    check_digests(sent, got, version)
+    expected = {name: got[name] if name not in held or held[name][0] == t.dtype else tensor_digest(t.to(held[name][0]))
+                for name, t in received.items()}
+    check_digests(expected, {name: digest for name, (_, digest) in held.items()}, version)
 
 
 def corrupted_for_test(weights: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:

