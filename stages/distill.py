@@ -152,8 +152,8 @@ def main() -> None:
         "eval_ce_after": after["eval_ce"],
         "train_loss_last": record["loss"],
         "teacher": str(teacher_dir),
-        "teacher_params": parameter_count(teacher_config),
-        "student_params": parameter_count(hf_config),
+        "teacher_params": parameter_count(teacher_config, teacher.backend),
+        "student_params": parameter_count(hf_config, student.backend),
     }
     run.finish(student, hf_config, summary, base_model=cfg["model"]["student"])
 

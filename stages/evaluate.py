@@ -52,6 +52,7 @@ from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, is_preset
+from posttrain.models.hf_backend import HFCausalLM
 from posttrain.rewards.verifiers import Rewards, VerifierError
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
@@ -63,7 +64,7 @@ from posttrain.workflow.lineage import read_provenance, upstream_folder
 
 STAGE = "evaluate"
 # verifiers decide what counts as correct; model.policy is the base model (stage zero)
-READS = ("seed", "model.policy", "data.max_seq_len", "reward.verifiers", "environment", "eval.n_prompts", "eval.max_new_tokens",
+READS = ("seed", "model.policy", "model.backend", "data.max_seq_len", "reward.verifiers", "environment", "eval.n_prompts", "eval.max_new_tokens",
          "eval.pass_k", "eval.samples", "eval.temperature", "eval.lm_eval_tasks", "eval.lm_eval_optional")
 INPUTS = {
     "data": "prepare_data output folder",
@@ -100,21 +101,24 @@ def reference_folder(model_dir: Path, record: dict[str, Any], override: str | No
 
 
 def evaluated_model(model_arg: str | None, cfg: dict[str, Any], tok: Tokenizer,
-                    device: torch.device) -> tuple[Transformer, dict[str, Any], Path | None]:
-    """The model, its provenance record and its folder: `--model`, else stage zero (`model.policy`, no folder
-    for a preset)."""
+                    device: torch.device) -> tuple[Transformer | HFCausalLM, dict[str, Any], Path | None]:
+    """The model (on the code `model.backend` picks), its provenance record and its folder: `--model`, else stage
+    zero (`model.policy`, no folder for a preset)."""
+    backend = cfg["model"]["backend"]
     if model_arg:
         model_dir = Path(model_arg)
-        return load_hf_model(model_dir, device).eval(), read_provenance(model_dir), model_dir
+        return load_hf_model(model_dir, device, backend=backend).eval(), read_provenance(model_dir), model_dir
     source = cfg["model"]["policy"]
-    model = initial_model(source, model_config(source, tok), cfg["seed"]).to(device).eval()
+    model = initial_model(source, model_config(source, tok), cfg["seed"], backend).to(device).eval()
     record = {"stage": BASE, "key": None, "source": source}
     return model, record, None if is_preset(source) else resolve_model_source(source)
 
 
-def preference_metrics(model: Transformer, model_dir: Path | None, record: dict[str, Any], rows: list[dict[str, Any]],
-                       tok: Tokenizer, max_len: int, reference_override: str | None, device: torch.device) -> dict[str, Any]:
-    """`pref_acc` (+ margin, pairs) for a DPO model; otherwise `pref_acc: None` and the reason."""
+def preference_metrics(model: Transformer | HFCausalLM, model_dir: Path | None, record: dict[str, Any],
+                       rows: list[dict[str, Any]], tok: Tokenizer, max_len: int, reference_override: str | None,
+                       device: torch.device, backend: str) -> dict[str, Any]:
+    """`pref_acc` (+ margin, pairs) for a DPO model, its reference on the code `backend` (`model.backend`) picks, as
+    the DPO run's was; otherwise `pref_acc: None` and the reason."""
     if record["stage"] != "dpo":
         return {"pref_acc": None, "pref_acc_note": f"a {record['stage']} model has no implicit preference reward (dpo only)"}
     pairs = eval_pairs([r["example"] for r in rows], tok, max_len)
@@ -126,7 +130,7 @@ def preference_metrics(model: Transformer, model_dir: Path | None, record: dict[
         folder = reference_folder(model_dir, record, reference_override, record["config"]["model"]["policy"])
         if not folder.is_dir():
             return {"pref_acc": None, "pref_acc_note": f"reference model {folder} not found (pass --reference)"}
-        reference = load_hf_model(folder, device).eval()
+        reference = load_hf_model(folder, device, backend=backend).eval()
     metrics = implicit_preference_accuracy(model, reference, pairs, dpo_cfg, tok.pad_id, SCORING_BATCH)
     metrics["pref_reference"] = None if reference is None else str(folder)
     return metrics
@@ -150,7 +154,7 @@ def episode_completions(episodes: EpisodeSettings, backend: NativeBackend, tok: 
             [t.final_text for t in trajectories], scored_rows(trajectories, examples), [t.counts() for t in trajectories])
 
 
-def nll_metrics(model: Transformer, data_dir: Path, seed: int) -> dict[str, Any]:
+def nll_metrics(model: Transformer | HFCausalLM, data_dir: Path, seed: int) -> dict[str, Any]:
     batches = sft_batches(data_dir, SCORING_BATCH, seed=seed, split="sft_eval", shuffle=False, loop=False,
                           multiple=length_multiple(compiled=False))
     if len(batches.dataset) == 0:
@@ -208,7 +212,7 @@ def main() -> None:
         metrics.update(episode_metrics(greedy_counts))
     metrics.update(nll_metrics(model, data_dir, seed))
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
-                                      args.reference, device))
+                                      args.reference, device, cfg["model"]["backend"]))
 
     with atomic_dir(args.out) as out:
         metrics["lm_eval"] = (run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type, optional=ev["lm_eval_optional"])
@@ -227,7 +231,7 @@ def main() -> None:
                 }, ensure_ascii=False) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
         summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}
-        write_provenance(out, cfg, STAGE, started, summary)
+        write_provenance(out, cfg, STAGE, started, {**summary, "model_backend": model.backend})
     print(json.dumps({"out": args.out, **summary}))
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from posttrain.training.faults import run_main
+from posttrain.training.faults import SettingError, run_main
 from posttrain.model_files import CheckpointError, load_hf_model, save_hf_model, weight_files
-from posttrain.model_files.hf import is_adapter_folder
+from posttrain.model_files.hf import checkpoint_state, is_adapter_folder
 from posttrain.export.hub import hub_token, push_folder, push_plan
 from posttrain.export.model_card import render_model_card
 from posttrain.stage_config import load_stage_config, parse_inputs
@@ -39,7 +39,7 @@ from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import lineage, read_provenance
 
 STAGE = "export"
-READS = ("export",)
+READS = ("model.backend", "export")
 INPUTS = {"model": "model folder to export", "eval": "an evaluate output folder"}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -85,10 +85,13 @@ def main() -> None:
     tok = Tokenizer(model_dir)
     if not tok.chat_template:
         raise ValueError(f"{model_dir}: the tokenizer has no chat template; a post-trained model needs one to be used")
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, backend=cfg["model"]["backend"])
+    if ex["int8"] and model.backend != "native":
+        raise SettingError(f"export.int8: the int8 copy quantizes the native model's layers; {model_dir} runs on the "
+                           "transformers backend (model.backend), so export it without int8 (export.int8: false)")
 
     with atomic_dir(args.out) as out:
-        save_hf_model(model.state_dict(), model.hf_config, out, dtype=dtype,
+        save_hf_model(checkpoint_state(model, model.state_dict()), model.hf_config, out, dtype=dtype,
                       generation_config=generation_config(model_dir, tok))
         tok.save(out)
         if ex["int8"]:
@@ -99,7 +102,8 @@ def main() -> None:
         (out / "README.md").write_text(render_model_card(
             record=record, chain=chain, evals=evals, export_key=cfg["key"], dtype=ex["dtype"], int8=ex["int8"],
             repo_id=ex["push_to_hub"]), encoding="utf-8")
-        summary = {"stage": record["stage"], "model_key": record["key"], "dtype": ex["dtype"], "int8": ex["int8"]}
+        summary = {"stage": record["stage"], "model_key": record["key"], "dtype": ex["dtype"], "int8": ex["int8"],
+                   "model_backend": model.backend}
         if ex["push_to_hub"]:
             summary["push"] = push_plan(out, ex["push_to_hub"], ex["dry_run"], extra=(PROVENANCE_FILE,))
         write_provenance(out, cfg, STAGE, started, summary)

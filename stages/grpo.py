@@ -75,7 +75,7 @@ from posttrain.rl.weights import WeightSyncError, check_logprob_gap
 from posttrain.rules import ppo_problems, prompt_split_problem
 from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
-from posttrain.training.setup import model_config
+from posttrain.training.setup import backend_of, model_config
 
 STAGE = "grpo"
 READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_len", "memory", "parallel",
@@ -103,6 +103,9 @@ def main() -> None:
         raise SettingError("; ".join(f"{key}: {why}" for key, why in problems))
     rows_per_rank = grpo["prompts_per_step"] // run.dp_size * grpo["group_size"]
     hf_config = model_config(start, run.tokenizer)
+    if ppo and backend_of(start, hf_config, cfg["model"]["backend"]) == "transformers":
+        raise SettingError(f"grpo.advantage: gae needs a critic, a value model on the native code only; {start} runs on "
+                           "the transformers backend (model.backend), so use grpo, rloo or reinforce_pp")
     model = run.build_model(start, hf_config, grpo["method"], grpo["lora"])
     run.epoch_size(prompt_count(args.data, args.reward), grpo["prompts_per_step"])
     optimization = run.optimization(model)
@@ -122,7 +125,7 @@ def main() -> None:
     # tools' system text) is not bounded by the data's max_seq_len, so episodes get the model's own context.
     max_model_len = None if episodes else cfg["data"]["max_seq_len"] + grpo["max_new_tokens"]
     spec = WorkerSpec(
-        backend=grpo["backend"], model_dir=start, tokenizer_dir=f"{args.data}/tokenizer", group_size=grpo["group_size"],
+        backend=grpo["backend"], model_dir=start, model_backend=cfg["model"]["backend"], tokenizer_dir=f"{args.data}/tokenizer", group_size=grpo["group_size"],
         temperature=grpo["temperature"], max_new_tokens=grpo["max_new_tokens"],
         verifiers=tuple(cfg["reward"]["verifiers"]), reward_model_dir=args.reward_model, rm_weight=grpo["rm_weight"],
         pretrained_reward_model=pretrained_source(cfg["reward_model"]["source"]),

@@ -65,13 +65,14 @@ from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass
 from posttrain.training.faults import kill_if_requested, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.result_log import ResultLog
+from posttrain.training.setup import backend_of, model_config
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
 # data.max_seq_len: the vLLM context; reward_model.source: a pretrained reward model; .normalize: its scale
-READS = ("seed", "model.policy", "data.max_seq_len", "reward", "reward_model.source", "reward_model.normalize")
+READS = ("seed", "model.policy", "model.backend", "data.max_seq_len", "reward", "reward_model.source", "reward_model.normalize")
 GENERATION_BATCH = 64  # sequences per native generate() call
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
 INPUTS = {
@@ -88,6 +89,13 @@ def policy_key(model_dir: str) -> str | None:
         return read_provenance(model_dir).get("key")
     except FileNotFoundError:
         return None
+
+
+def sampler_code(run: StageRun, start: str) -> str:
+    """What ran the policy: `model.backend`'s choice for the native sampler ("native" | "transformers"), or vllm."""
+    if run.cfg["reward"]["backend"] == "vllm":
+        return "vllm"
+    return backend_of(start, model_config(start, run.tokenizer), run.cfg["model"]["backend"])
 
 
 def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: SamplingParams
@@ -110,8 +118,9 @@ def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: S
             if call not in log.done:
                 if backend is None:  # only when a call is left (vLLM takes a while to start)
                     max_len = run.cfg["data"]["max_seq_len"] + reward["max_new_tokens"]
-                    backend = build_backend(reward["backend"], model_dir, pad_id=run.tokenizer.pad_id,
-                                            decode=run.tokenizer.decode, device=run.device, seed=seed,
+                    backend = build_backend(reward["backend"], model_dir, model_backend=run.cfg["model"]["backend"],
+                                            pad_id=run.tokenizer.pad_id, decode=run.tokenizer.decode, device=run.device,
+                                            seed=seed,
                                             max_model_len=max_len, max_batch_size=GENERATION_BATCH,
                                             setting="reward.backend")
                 out = backend.generate([p for p in chunk for _ in range(k)], params, seed + call)
@@ -196,7 +205,7 @@ def main() -> None:
         kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)
         pairs.to_parquet(out / "pairs.parquet", index=False)
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        write_provenance(out, cfg, STAGE, run.started, {**stats, **timing})
+        write_provenance(out, cfg, STAGE, run.started, {**stats, **timing, "model_backend": sampler_code(run, start)})
     run.done()
     print(json.dumps({"out": args.out, **{k_: stats[k_] for k_ in ("rollouts", "pass_rate_mean", "grpo_prompts", "pairs")},
                       "rollouts_per_s": round(timing["rollouts_per_s"], 2)}), flush=True)

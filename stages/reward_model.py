@@ -32,12 +32,12 @@ from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import Split, load_split
 from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.rewards import RewardModel, load_reward_model, reward_model_config, scored_lengths
-from posttrain.training.faults import run_main
+from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
-from posttrain.training.setup import add_adapters
+from posttrain.training.setup import add_adapters, backend_of, model_config
 
 STAGE = "reward_model"
-READS = ("seed", "model.policy", "model.dtype", "memory", "reward_model")
+READS = ("seed", "model.policy", "model.dtype", "model.backend", "memory", "reward_model")
 INPUTS = {
     "data": "prepared data folder (results/data/<key>): its preference split",
     "model": "the policy GRPO starts from, whose decoder the reward model starts from (absent: model.policy)",
@@ -80,6 +80,9 @@ def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",), one_process=True)
     section, pad_id, device = run.section, run.tokenizer.pad_id, run.device
     start = run.start_model()
+    if backend_of(start, model_config(start, run.tokenizer), run.cfg["model"]["backend"]) == "transformers":
+        raise SettingError(f"reward_model.source: train builds the reward model on the native code only; {start} runs "
+                           "on the transformers backend (model.backend), so leave reward_model.source null")
     run.check_adapters(section["method"], start)
     model = load_reward_model(start, device=device)
     add_adapters(model, section["method"], section["lora"], modules_to_save=("score",))

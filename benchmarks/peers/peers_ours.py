@@ -152,8 +152,8 @@ def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
     model, optimization, mesh, device = _model_and_optimization(folder, cfg, "grpo")
     if mesh is not None:
         raise ValueError("the GRPO peer run is one process on CPU (run it with plain python)")
-    spec = WorkerSpec(backend="native", model_dir=str(folder), tokenizer_dir=str(folder), group_size=s.group,
-                      temperature=s.temperature, max_new_tokens=s.max_new_tokens, verifiers=(REWARD_SPEC,),
+    spec = WorkerSpec(backend="native", model_dir=str(folder), model_backend="native", tokenizer_dir=str(folder),
+                      group_size=s.group, temperature=s.temperature, max_new_tokens=s.max_new_tokens, verifiers=(REWARD_SPEC,),
                       max_batch_size=256, seed=s.seed)
     prompts = grpo_prompts(s, s.total_steps * s.prompts)
     data = [PromptBatch(prompts[i : i + s.prompts], [{}] * s.prompts, list(range(i, i + s.prompts)))

@@ -16,6 +16,7 @@ from posttrain.data.packing import build_rows
 from posttrain.generation import SamplingParams
 from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, document_positions
+from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
 from posttrain.models.lora import merged_state_dict
 from posttrain.tokenizer import Tokenizer
 
@@ -23,7 +24,8 @@ GENERATION_BATCH = 64  # prompts per generate() call
 SAMPLING_TEMPERATURE = 1.0  # on-policy completions come from the student's own distribution
 
 
-def sampling_model(model: Transformer, mesh: DeviceMesh | None, copy: Transformer | None = None) -> Transformer:
+def sampling_model(model: Transformer | HFCausalLM, mesh: DeviceMesh | None,
+                   copy: Transformer | HFCausalLM | None = None) -> Transformer | HFCausalLM:
     """A model the KV-cache sampler can drive on each rank alone, holding `model`'s current weights.
 
     One process: `model` itself. Under a mesh: an unsharded copy (`copy`, refreshed in place, or a
@@ -35,14 +37,22 @@ def sampling_model(model: Transformer, mesh: DeviceMesh | None, copy: Transforme
         return model
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if copy is None:
-        device = next(iter(state.values())).device
-        with torch.device("meta"):
-            copy = Transformer(model.hf_config)
-        copy.to_empty(device=device)
-        copy.tie_weights()
-        copy.init_weights(buffers_only=True)
+        copy = _unsharded_like(model, next(iter(state.values())).device)
     load_state_into(copy, merged_state_dict(model, state), "distill: gathered weights")
     return copy.eval()
+
+
+def _unsharded_like(model: Transformer | HFCausalLM, device: torch.device) -> Transformer | HFCausalLM:
+    """An unsharded model of `model`'s config on its own code (weights to be loaded): the native one built on the
+    meta device, transformers' built (and randomly initialized) on CPU."""
+    if isinstance(model, HFCausalLM):
+        return build_transformers_model(model.hf_config).to(device)
+    with torch.device("meta"):
+        copy = Transformer(model.hf_config)
+    copy.to_empty(device=device)
+    copy.tie_weights()
+    copy.init_weights(buffers_only=True)
+    return copy
 
 
 def completion_batch(prompts: list[list[int]], completions: list[list[int]], max_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -78,7 +88,7 @@ class SampledBatches:
     def empty(self) -> bool:
         return not self.pending
 
-    def refill(self, sampler: Transformer, seed: int) -> int:
+    def refill(self, sampler: Transformer | HFCausalLM, seed: int) -> int:
         """Sample the next `steps_ahead` micro-batches' completions; returns the tokens generated."""
         groups = [next(self.prompts)["prompt_ids"] for _ in range(self.steps_ahead)]
         flat = [p for group in groups for p in group]

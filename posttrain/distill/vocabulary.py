@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from posttrain.model_files import resolve_model_source
 from posttrain.models import Transformer, is_preset
+from posttrain.models.hf_backend import transformers_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import model_config
 
@@ -77,7 +78,14 @@ def student_config(source: str, tokenizer: Tokenizer, teacher_config: Mapping[st
     return config
 
 
-def parameter_count(hf_config: Mapping[str, Any]) -> int:
-    """Parameters of the full (unsharded) model, tied embeddings counted once."""
+def parameter_count(hf_config: Mapping[str, Any], backend: str) -> int:
+    """Parameters of the full (unsharded) model on `backend`'s code (the model's `backend`: native | transformers),
+    tied embeddings counted once; built on the meta device, so nothing is allocated."""
     with torch.device("meta"):
-        return sum(p.numel() for p in Transformer(dict(hf_config)).parameters())
+        if backend == "transformers":
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(transformers_config(dict(hf_config)))
+        else:
+            model = Transformer(dict(hf_config))
+        return sum(p.numel() for p in model.parameters())

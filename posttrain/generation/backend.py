@@ -25,6 +25,7 @@ from posttrain.model_files import load_hf_model, load_state_into, model_tensors,
 from posttrain.model_files.hf import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_folder
 from posttrain.generation.sampler import GenerationOutput, SamplingParams, generate
 from posttrain.models import Transformer
+from posttrain.models.hf_backend import HFCausalLM
 from posttrain.utils.digest import HeldDigests, tensor_digest
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike
@@ -78,7 +79,7 @@ class NativeBackend:
 
     def __init__(
         self,
-        model: Transformer,
+        model: Transformer | HFCausalLM,
         pad_id: int,
         decode: Callable[[list[int]], str] | None = None,
         max_batch_size: int = 64,
@@ -325,12 +326,13 @@ def _through_cpu_kernel(module: torch.nn.Module) -> torch.Tensor:
         return module.cpu_linear(torch.eye(width, dtype=module.weight.dtype), module.weight, None).t()
 
 
-def build_backend(name: str, model_dir: str | os.PathLike, *, pad_id: int, decode: Callable[[list[int]], str] | None,
-                  device: str | torch.device, seed: int, max_model_len: int | None, max_batch_size: int,
-                  setting: str) -> GenerationBackend:
-    """The backend `name` (`native` | `vllm`) over the HF folder `model_dir`; `setting` names the config key in errors."""
+def build_backend(name: str, model_dir: str | os.PathLike, *, model_backend: str, pad_id: int,
+                  decode: Callable[[list[int]], str] | None, device: str | torch.device, seed: int,
+                  max_model_len: int | None, max_batch_size: int, setting: str) -> GenerationBackend:
+    """The backend `name` (`native` | `vllm`) over the HF folder `model_dir`; `setting` names the config key in errors.
+    The native sampler runs the model code `model_backend` (`model.backend`) picks, as the trainer does; vLLM its own."""
     if name == "native":
-        model = load_hf_model(model_dir, device=device).eval()
+        model = load_hf_model(model_dir, device=device, backend=model_backend).eval()
         return NativeBackend(model, pad_id, decode, max_batch_size=max_batch_size)
     if name == "vllm":
         return VLLMBackend(str(model_dir), seed=seed, max_model_len=max_model_len)

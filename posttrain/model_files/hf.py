@@ -134,10 +134,21 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def tied_head(model: Transformer | HFCausalLM) -> bool:
+    """Whether the output projection is the input embedding (its `lm_head.weight` is then not written)."""
+    return model.tied_head if isinstance(model, HFCausalLM) else model.args.tie_word_embeddings
+
+
+def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict of `model` under its checkpoint's names: a native model's are already; transformers renames
+    some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out)."""
+    return model.checkpoint_state(state) if isinstance(model, HFCausalLM) else state
+
+
 def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy checkpoint tensors into the model, refusing any missing, unexpected or misshapen tensor."""
     expected = dict(model.state_dict())
-    if model.tied_head if isinstance(model, HFCausalLM) else model.args.tie_word_embeddings:
+    if tied_head(model):
         expected.pop("lm_head.weight", None)
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(tensors))

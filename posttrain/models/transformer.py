@@ -274,6 +274,8 @@ def _skip_module_init() -> Iterator[None]:
 
 
 class Transformer(nn.Module):
+    backend = "native"  # the model code, as `HFCausalLM.backend` says "transformers"; stages record it
+
     def __init__(self, hf_config: dict[str, Any]):
         super().__init__()
         self.hf_config = dict(hf_config)

@@ -262,6 +262,7 @@ class WorkerSpec:
 
     backend: str  # native | vllm
     model_dir: str  # HF folder of the starting policy (version 0)
+    model_backend: str  # model.backend: the model code the native sampler runs (the trainer's)
     tokenizer_dir: str
     group_size: int
     temperature: float
@@ -282,8 +283,8 @@ class WorkerSpec:
 def build_worker(spec: WorkerSpec) -> RolloutWorker:
     """The backend named by `spec.backend` over the starting policy, with its tokenizer and reward function."""
     tokenizer = Tokenizer(spec.tokenizer_dir)
-    backend = build_backend(spec.backend, spec.model_dir, pad_id=tokenizer.pad_id, decode=tokenizer.decode,
-                            device=spec.device, seed=spec.seed, max_model_len=spec.max_model_len,
+    backend = build_backend(spec.backend, spec.model_dir, model_backend=spec.model_backend, pad_id=tokenizer.pad_id,
+                            decode=tokenizer.decode, device=spec.device, seed=spec.seed, max_model_len=spec.max_model_len,
                             max_batch_size=spec.max_batch_size, setting="grpo.backend")
     params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                             stop_token_ids=tokenizer.eos_ids)

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from posttrain.model_files import save_hf_model
-from posttrain.model_files.hf import write_hf_config
-from posttrain.models.hf_backend import HFCausalLM
+from posttrain.model_files.hf import checkpoint_state, write_hf_config
 from posttrain.models.lora import merged_state_dict, save_peft_adapter
 from posttrain.parallel import barrier, gather_full_state_dict
 from posttrain.tokenizer import Tokenizer
@@ -56,8 +55,8 @@ def save_final_model(
     classifier (the reward model) gives a PEFT adapter of task type SEQ_CLS.
     """
     full = gather_full_state_dict(model)
-    if is_main and isinstance(model, HFCausalLM):
-        full = model.checkpoint_state(full)
+    if is_main:
+        full = checkpoint_state(model, full)
     if is_main:
         lora = getattr(model, "lora_config", None) is not None
         dtype = DTYPES[cfg["model"]["dtype"]]

@@ -89,8 +89,8 @@ def test_the_bf16_export_loads_in_vllm_with_transformers_greedy_outputs(smollm2,
     from vllm_parity import greedy_completions
 
     data, sft_out = trained
-    cfg = {"stage": "export", "key": "smol-export", "upstream": {"sft": "smol-sft"}, "seed": 0, "model": {"policy": str(smollm2)},
-           "export": {"stage": "sft", "dtype": "bfloat16", "int8": False, "push_to_hub": None, "dry_run": True}}
+    cfg = {"stage": "export", "key": "smol-export", "upstream": {"sft": "smol-sft"}, "seed": 0,
+           "model": {"policy": str(smollm2), "backend": "auto"}, "export": {"stage": "sft", "dtype": "bfloat16", "int8": False, "push_to_hub": None, "dry_run": True}}
     out = tmp_path / "export"
     run_stage("export", ["--config", write_config(tmp_path / "export.config.json", cfg), "--model", sft_out, "--out", out],
               monkeypatch)

@@ -38,7 +38,8 @@ def results(tmp_path_factory):
 
 
 def export(root, monkeypatch, name, model_key=DPO_KEY, evals=(), **export_cfg):
-    cfg = {"stage": "export", "key": name, "upstream": {"dpo": model_key}, "seed": 0, "model": {"policy": "tiny"},
+    cfg = {"stage": "export", "key": name, "upstream": {"dpo": model_key}, "seed": 0,
+           "model": {"policy": "tiny", "backend": "auto"},
            "export": {"stage": "dpo", "dtype": "float32", "int8": False, "push_to_hub": None, "dry_run": True, **export_cfg}}
     out = root / "export" / name
     argv = ["--config", write_config(root / "export" / f"{name}.config.json", cfg), "--model", root / "dpo" / model_key,

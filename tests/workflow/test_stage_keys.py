@@ -144,7 +144,7 @@ def test_a_declared_run_setting_stops_the_plan(tmp_path):
     shutil.copytree(REPO / "stages", repo / "stages")
     shutil.copytree(REPO / "posttrain", repo / "posttrain", ignore=shutil.ignore_patterns("__pycache__"))
     script = repo / "stages" / "export.py"
-    script.write_text(script.read_text().replace('READS = ("export",)', 'READS = ("export", "loggers")'))
+    script.write_text(script.read_text().replace('READS = ("model.backend", "export")', 'READS = ("model.backend", "export", "loggers")'))
     with pytest.raises(ValueError, match=r"export.py: READS declares the run setting\(s\) loggers"):
         build_plan(load_config(), repo=repo)
 
