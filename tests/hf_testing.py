@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
+
+VOCAB = 512  # above the tiny preset's tokenizer, which the SFT data is prepared with
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Families without a native port, dropout off (a training stage runs the model's own dropout settings).
+FAMILIES = {
+    "gpt_neox": dict(SMALL, hidden_dropout=0.0, attention_dropout=0.0),
+    "starcoder2": dict(SMALL, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0),
+    "granite": dict(SMALL, num_key_value_heads=2, logits_scaling=3.0, embedding_multiplier=2.0,
+                    residual_multiplier=0.5, attention_multiplier=0.3),
+}
+
+
+def save_family(name: str, folder: str | Path, **overrides: Any):
+    """A random model of the family, saved as transformers saves it (norms and biases away from their init)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(name, **{**FAMILIES.get(name, SMALL), **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name or param_name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    return model
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,3 +49,14 @@ def hf_greedy(hf, prompts: list[list[int]], new: int) -> list[list[int]]:
     hf.generation_config.eos_token_id = None
     out = hf.generate(padded, attention_mask=attention, max_new_tokens=new, do_sample=False, pad_token_id=0)
     return out[:, padded.shape[1]:].tolist()
+
+
+def transformers_weights(folder: str | Path, resaved: str | Path) -> dict[str, torch.Tensor]:
+    """What `AutoModelForCausalLM.from_pretrained(folder)` holds, under the checkpoint names: saved again to `resaved`
+    (transformers renames some tensors on load and back on save) and read from there."""
+    import transformers
+
+    from sft_testing import weights
+
+    transformers.AutoModelForCausalLM.from_pretrained(folder).save_pretrained(resaved)
+    return weights(resaved)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from hf_testing import hf_greedy, left_padded
+from hf_testing import FAMILIES, VOCAB, hf_greedy, left_padded, save_family, transformers_weights
 from posttrain.generation.sampler import SamplingParams, generate
 from posttrain.model_files import CheckpointError, load_hf_model
 from posttrain.models.args import ModelConfigError, model_backend
@@ -23,29 +23,7 @@ from posttrain.workflow.preflight import model_source_problem
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512  # above the tiny preset's tokenizer, which the SFT data is prepared with
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-             max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = {
-    "gpt_neox": dict(SMALL, hidden_dropout=0.0, attention_dropout=0.0),
-    "starcoder2": dict(SMALL, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0),
-    "granite": dict(SMALL, num_key_value_heads=2, logits_scaling=3.0, embedding_multiplier=2.0,
-                    residual_multiplier=0.5, attention_multiplier=0.3),
-}
 LOGITS_ATOL = 1e-5
-
-
-def save_family(name: str, folder, **overrides) -> transformers.PreTrainedModel:
-    """A random model of the family, saved as transformers saves it (norms and biases away from their init)."""
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(name, **{**FAMILIES.get(name, SMALL), **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if "norm" in param_name or param_name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(params=sorted(FAMILIES), scope="module")
@@ -166,3 +144,33 @@ def test_sft_trains_the_family_and_writes_a_folder_transformers_loads(name, tmp_
     assert set(written) == set(resaved) and all(torch.equal(resaved[k], v) for k, v in written.items())
     before = weights(folder)
     assert any(not torch.equal(before[k], v) for k, v in written.items())
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers(tmp_path):
+    """Sync GRPO from a GPT-NeoX folder: the generator is the same transformers model (every weight push checked
+    against the trainer's digests, on-policy log-probs equal to the trainer's), the KL reference is a frozen copy
+    of it, and the output is the family's own folder with the trained weights."""
+    from grpo_testing import RANDOM_DATA, grpo_config, run_grpo, step_records, summary
+    from sft_testing import prepare_data, weights
+    from posttrain.tokenizer import Tokenizer
+
+    data = prepare_data(tmp_path, RANDOM_DATA)
+    tok = Tokenizer(data / "tokenizer")
+    folder = tmp_path / "policy"
+    save_family("gpt_neox", folder, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    tok.save(folder)
+    cfg = grpo_config("hf", data=RANDOM_DATA, reward={"verifiers": ["tests/grpo_testing.py:length_reward"]}, steps=3,
+                      prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=3e-3, warmup_steps=0,
+                      kl_coef=0.05, checkpoint_every=100, log_every=1)
+    run_grpo(cfg, data, folder, tmp_path / "grpo")
+    records, done = step_records(tmp_path / "grpo"), summary(tmp_path / "grpo")
+    assert done["model_backend"] == "transformers" and done["policy_version"] == 3, done
+    assert len(records) == 3 and all(r["staleness"] == 0 for r in records), records
+    assert max(r["logprob_gap_mean"] for r in records) < 1e-4, [r["logprob_gap_mean"] for r in records]
+    assert any(r["grad_norm"] > 0 for r in records)
+    written, loaded = weights(tmp_path / "grpo"), transformers_weights(tmp_path / "grpo", tmp_path / "resaved")
+    assert set(written) == set(loaded) and all(torch.equal(loaded[k], v) for k, v in written.items())
+    assert "embed_out.weight" in written  # GPT-NeoX's checkpoint name of its head, as transformers saves it
+    before = weights(folder)
+    assert set(before) == set(written) and any(not torch.equal(before[k], v) for k, v in written.items())
