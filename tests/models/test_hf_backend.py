@@ -146,13 +146,10 @@ def test_sft_trains_the_family_and_writes_a_folder_transformers_loads(name, tmp_
     assert any(not torch.equal(before[k], v) for k, v in written.items())
 
 
-@pytest.mark.slow
-def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers(tmp_path):
-    """Sync GRPO from a GPT-NeoX folder: the generator is the same transformers model (every weight push checked
-    against the trainer's digests, on-policy log-probs equal to the trainer's), the KL reference is a frozen copy
-    of it, and the output is the family's own folder with the trained weights."""
-    from grpo_testing import RANDOM_DATA, grpo_config, run_grpo, step_records, summary
-    from sft_testing import prepare_data, weights
+def gpt_neox_policy(tmp_path):
+    """(data folder, GPT-NeoX folder with the data's tokenizer): prepared task data and a random model sized to it."""
+    from grpo_testing import RANDOM_DATA
+    from sft_testing import prepare_data
     from posttrain.tokenizer import Tokenizer
 
     data = prepare_data(tmp_path, RANDOM_DATA)
@@ -160,6 +157,18 @@ def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers
     folder = tmp_path / "policy"
     save_family("gpt_neox", folder, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     tok.save(folder)
+    return data, folder
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers(tmp_path):
+    """Sync GRPO from a GPT-NeoX folder: the generator is the same transformers model (every weight push checked
+    against the trainer's digests, on-policy log-probs equal to the trainer's), the KL reference is a frozen copy
+    of it, and the output is the family's own folder with the trained weights."""
+    from grpo_testing import RANDOM_DATA, grpo_config, run_grpo, step_records, summary
+    from sft_testing import weights
+
+    data, folder = gpt_neox_policy(tmp_path)
     cfg = grpo_config("hf", data=RANDOM_DATA, reward={"verifiers": ["tests/grpo_testing.py:length_reward"]}, steps=3,
                       prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, lr=3e-3, warmup_steps=0,
                       kl_coef=0.05, checkpoint_every=100, log_every=1)
@@ -174,3 +183,32 @@ def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers
     assert "embed_out.weight" in written  # GPT-NeoX's checkpoint name of its head, as transformers saves it
     before = weights(folder)
     assert set(before) == set(written) and any(not torch.equal(before[k], v) for k, v in written.items())
+
+
+def test_what_it_cannot_run_stops_before_any_work_naming_the_key(tmp_path, monkeypatch, capsys):
+    """A value model (grpo.advantage: gae), a trained reward model and the int8 export copy are native only."""
+    import subprocess
+    import sys
+
+    from eval_fixtures import run_stage, write_config
+    from grpo_testing import RANDOM_DATA, grpo_config, run_grpo
+    from sft_testing import ROOT, env_for, resolved_config
+    from posttrain.utils.provenance import write_provenance
+
+    data, folder = gpt_neox_policy(tmp_path)
+    proc = run_grpo(grpo_config("gae", data=RANDOM_DATA, advantage="gae", steps=1), data, folder, tmp_path / "gae",
+                    check=False)
+    assert proc.returncode == 1 and "grpo.advantage: gae needs a critic" in proc.stderr, proc.stderr[-2000:]
+    cfg = resolved_config("reward_model", "rm", reward_model={"source": "train"})
+    rm = subprocess.run([sys.executable, str(ROOT / "stages" / "reward_model.py"), "--config",
+                         str(write_config(tmp_path / "rm.json", cfg)), "--data", str(data), "--model", str(folder),
+                         "--out", str(tmp_path / "rm")], capture_output=True, text=True, cwd=ROOT, env=env_for())
+    assert rm.returncode == 1 and "reward_model.source: train builds the reward model on the native code only" in rm.stderr
+    write_provenance(folder, {"key": "neox"}, "sft", 0.0, {})
+    cfg = {"stage": "export", "key": "int8", "upstream": {"sft": "neox"}, "seed": 0, "model": {"backend": "auto"},
+           "export": {"stage": "sft", "dtype": "float32", "int8": True, "push_to_hub": None, "dry_run": True}}
+    with pytest.raises(SystemExit):
+        run_stage("export", ["--config", write_config(tmp_path / "export.json", cfg), "--model", folder,
+                             "--out", tmp_path / "export"], monkeypatch)
+    assert "export.int8: the int8 copy quantizes the native model's layers" in capsys.readouterr().err
+    assert not (tmp_path / "gae").exists() and not (tmp_path / "rm").exists() and not (tmp_path / "export").exists()
