@@ -68,11 +68,12 @@ def _model_and_optimization(folder: Path, cfg: dict[str, Any], stage: str):
 
 
 def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | None = None,
-              features: tuple[str, ...] = ("chunked_ce",)) -> dict[str, Any]:
+              features: tuple[str, ...] = ("chunked_ce",), backend: str = "native") -> dict[str, Any]:
     """SFT rows of `documents` (default: `sft_documents`), packed or one per row; the first `total_steps` batches.
 
     `features` are `sft_memory.FEATURES` names (default: the shipped memory settings); with
-    `optimizer_in_backward` there is no gradient clipping (the stage refuses the combination).
+    `optimizer_in_backward` there is no gradient clipping (the stage refuses the combination). `backend` is
+    `model.backend` (every setup takes it: `transformers` measures the fallback on the same model).
     """
     from sft_memory import variant_config
     from sft_throughput import stored_batches
@@ -82,6 +83,7 @@ def setup_sft(folder: Path, s: Settings, packed: bool, documents: Documents | No
     from posttrain.sft.step import sft_step
 
     cfg = variant_config(features)
+    cfg["model"]["backend"] = backend
     cfg["sft"].update(_optimizer_section(s))
     if cfg["memory"]["optimizer_in_backward"]:
         cfg["sft"]["max_grad_norm"] = None
@@ -111,7 +113,7 @@ def preference_columns(pairs: list[tuple[list[int], list[int], list[int]]]) -> d
     return cols
 
 
-def setup_dpo(folder: Path, s: Settings) -> dict[str, Any]:
+def setup_dpo(folder: Path, s: Settings, backend: str = "native") -> dict[str, Any]:
     from dpo_memory import variant_config
 
     from posttrain.data.loader import preference_collate
@@ -120,6 +122,7 @@ def setup_dpo(folder: Path, s: Settings) -> dict[str, Any]:
     from posttrain.losses.head import OutputHead
 
     cfg = variant_config("off", "precompute", None)
+    cfg["model"]["backend"] = backend
     cfg["memory"] = _memory_defaults()
     cfg["dpo"].update(_optimizer_section(s), beta=s.dpo_beta)
     model, optimization, mesh, device = _model_and_optimization(folder, cfg, "dpo")
@@ -139,7 +142,7 @@ def setup_dpo(folder: Path, s: Settings) -> dict[str, Any]:
             "settings": s}
 
 
-def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
+def setup_grpo(folder: Path, s: Settings, backend: str = "native") -> dict[str, Any]:
     from posttrain.losses.head import OutputHead
     from posttrain.rl.rollout import PromptBatch, WorkerSpec, build_worker
     from posttrain.rl.step import GRPOStep, GroupBaseline
@@ -148,11 +151,11 @@ def setup_grpo(folder: Path, s: Settings) -> dict[str, Any]:
     grpo = {**_optimizer_section(s), "std_normalize": True, "clip_eps": s.clip_eps, "clip_eps_high": None,
             "temperature": s.temperature, "tis_cap": 2.0, "advantage": "grpo", "inner_epochs": 1,
             "micro_batch_size": s.prompts * s.group, "token_level": True, "ratio": "token", "kl_coef": 0.0}
-    cfg = {"seed": s.seed, "model": {"backend": "native"}, "memory": _memory_defaults(), "parallel": {"tp": 1, "dp_replicate": 1}, "grpo": grpo}
+    cfg = {"seed": s.seed, "model": {"backend": backend}, "memory": _memory_defaults(), "parallel": {"tp": 1, "dp_replicate": 1}, "grpo": grpo}
     model, optimization, mesh, device = _model_and_optimization(folder, cfg, "grpo")
     if mesh is not None:
         raise ValueError("the GRPO peer run is one process on CPU (run it with plain python)")
-    spec = WorkerSpec(backend="native", model_dir=str(folder), model_backend="native", tokenizer_dir=str(folder),
+    spec = WorkerSpec(backend="native", model_dir=str(folder), model_backend=backend, tokenizer_dir=str(folder),
                       group_size=s.group, temperature=s.temperature, max_new_tokens=s.max_new_tokens, verifiers=(REWARD_SPEC,),
                       max_batch_size=256, seed=s.seed)
     prompts = grpo_prompts(s, s.total_steps * s.prompts)

@@ -1,4 +1,5 @@
-"""posttrain vs TRL on the same workloads: useful tokens/s, steps/s, peak memory and final loss, side by side.
+"""posttrain (native and transformers backend) vs TRL on the same workloads: useful tokens/s, steps/s, peak memory and
+final loss, side by side.
 
     python benchmarks/peers/run.py [--workloads sft,dpo,grpo] [--steps 3] [--warmup 1] [--rounds 1] [--json out.json]
 
@@ -6,16 +7,19 @@ Workloads (`sft` stands for both SFT layouts): `sft_padded`, `sft_packed`, `dpo`
 sides start from one random-init Qwen3-architecture model saved once as an HF folder, train on
 the same synthetic data with the same batch size, sequence length, AdamW settings and precision
 (float32 on CPU); `peers_common.py` defines the data and what counts as a useful token,
-`peers_ours.py` and `peers_trl.py` the two sides. Every run is a freshly started process
-(`benchmarks/_memory.py`) that imports only its own side's libraries (posttrain's runs never load
+`peers_ours.py` and `peers_trl.py` the sides. Three sides: `posttrain` (the native port),
+`posttrain-hf` (the same stages with `model.backend: transformers`, the fallback every family without a
+native port runs on, so users know what it costs) and `trl`. Every run is a freshly started process
+(`benchmarks/_memory.py`) that imports only its own side's libraries (posttrain's native runs never load
 transformers or TRL, TRL's never load posttrain), so the whole-process peak is what a job of that
 side needs. Speed and memory come from separate runs: speed from `--rounds` runs per side under
 glibc's default allocator (as a job runs), memory from one run per side with the allocator's
 mmap threshold pinned (`benchmarks/_memory.py`: the resident set then follows live tensors, but
 every large tensor costs page faults, so those runs are slow). The runs alternate, posttrain
 then TRL, so a change of machine load hits both sides alike. The ratios printed at the end come
-from this one invocation. Targets (issue 12): SFT useful tokens/s >= 1.5x TRL (padded and
-packed), peak memory <= 0.7x TRL, DPO and GRPO steps/s >= 1.0x TRL.
+from this one invocation. Targets (issue 12, the native side): SFT useful tokens/s >= 1.5x TRL (padded and
+packed), peak memory <= 0.7x TRL, DPO and GRPO steps/s >= 1.0x TRL. The transformers backend's ratios to
+TRL and to the native side are printed beside them, with no target.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from peers_common import BENCHMARKS, WORKLOADS, Documents, Settings, build_model
 
 from _memory import peak_memory  # noqa: E402
 
-SIDES = ("posttrain", "trl")
+SIDES = ("posttrain", "posttrain-hf", "trl")
+MODEL_BACKENDS = {"posttrain": "native", "posttrain-hf": "transformers"}  # posttrain's sides: their model.backend
 TARGETS = {"tokens_per_s": 1.5, "steps_per_s": 1.0, "memory": 0.7}
 LIBRARIES = ("posttrain", "transformers", "trl", "accelerate", "datasets")  # reported per run: what its process loaded
 
@@ -52,10 +57,11 @@ def setup_job(side: str, workload: str, folder: Path, s: Settings, threads: int,
         torch.set_num_threads(threads)
     torch.manual_seed(s.seed)
     module = _side_module(side)
+    backend = {"backend": MODEL_BACKENDS[side]} if side in MODEL_BACKENDS else {}
     if workload.startswith("sft_"):
-        state = module.setup_sft(folder, s, packed=workload == "sft_packed", documents=documents)
+        state = module.setup_sft(folder, s, packed=workload == "sft_packed", documents=documents, **backend)
     else:
-        state = getattr(module, f"setup_{workload}")(folder, s)
+        state = getattr(module, f"setup_{workload}")(folder, s, **backend)
     return {**state, "side": side}
 
 
@@ -66,7 +72,7 @@ def run_job(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _side_module(side: str):
-    return importlib.import_module("peers_ours" if side == "posttrain" else "peers_trl")
+    return importlib.import_module("peers_ours" if side in MODEL_BACKENDS else "peers_trl")
 
 
 def parse_workloads(text: str) -> list[str]:
@@ -120,13 +126,9 @@ def summarize(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_step_mib": max(r["peak_step_mib"] for r in sized),
             "final_loss": timed[0]["losses"][-1],
         }
-    ours, theirs = out["posttrain"], out["trl"]
-    out["ratios"] = {
-        "tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
-        "steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
-        "peak_total": ours["peak_total_mib"] / theirs["peak_total_mib"],
-        "peak_step": ours["peak_step_mib"] / theirs["peak_step_mib"],
-    }
+    out["ratios"] = _ratios(out["posttrain"], out["trl"])
+    out["fallback"] = {"vs_trl": _ratios(out["posttrain-hf"], out["trl"]),  # the transformers backend
+                       "vs_native": _ratios(out["posttrain-hf"], out["posttrain"])}
     speed_key = "tokens_per_s" if workload.startswith("sft") else "steps_per_s"
     out["targets"] = {
         speed_key: out["ratios"][speed_key] >= TARGETS[speed_key],
@@ -136,14 +138,21 @@ def summarize(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float]:
+    return {"tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
+            "peak_total": ours["peak_total_mib"] / theirs["peak_total_mib"],
+            "peak_step": ours["peak_step_mib"] / theirs["peak_step_mib"]}
+
+
 def print_table(summaries: list[dict[str, Any]]) -> None:
-    head = (f"{'workload':11} {'side':9} {'useful tok/s':>12} {'steps/s':>8} {'peak MiB':>9} {'step MiB':>9} "
+    head = (f"{'workload':11} {'side':12} {'useful tok/s':>12} {'steps/s':>8} {'peak MiB':>9} {'step MiB':>9} "
             f"{'final loss':>11}")
     print(head)
     for row in summaries:
         for side in SIDES:
             r = row[side]
-            print(f"{row['workload']:11} {side:9} {r['tokens_per_s']:12.1f} {r['steps_per_s']:8.3f} "
+            print(f"{row['workload']:11} {side:12} {r['tokens_per_s']:12.1f} {r['steps_per_s']:8.3f} "
                   f"{r['peak_total_mib']:9.0f} {r['peak_step_mib']:9.0f} {r['final_loss']:11.5g}")
     print("\nposttrain / TRL (this run)")
     print(f"{'workload':11} {'tok/s':>7} {'steps/s':>8} {'peak':>6} {'step peak':>10}  targets")
@@ -152,6 +161,12 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
         verdict = ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in row["targets"].items())
         print(f"{row['workload']:11} {q['tokens_per_s']:7.2f} {q['steps_per_s']:8.2f} {q['peak_total']:6.2f} "
               f"{q['peak_step']:10.2f}  {verdict}")
+    print("\nthe transformers backend (posttrain-hf) / TRL, and / posttrain native (this run; no target)")
+    print(f"{'workload':11} {'vs':7} {'tok/s':>7} {'steps/s':>8} {'peak':>6} {'step peak':>10}")
+    for row in summaries:
+        for against, q in (("TRL", row["fallback"]["vs_trl"]), ("native", row["fallback"]["vs_native"])):
+            print(f"{row['workload']:11} {against:7} {q['tokens_per_s']:7.2f} {q['steps_per_s']:8.2f} "
+                  f"{q['peak_total']:6.2f} {q['peak_step']:10.2f}")
     print(f"targets: SFT useful tokens/s >= {TARGETS['tokens_per_s']}x, DPO/GRPO steps/s >= "
           f"{TARGETS['steps_per_s']}x, peak memory <= {TARGETS['memory']}x: of the whole process (peak MiB: "
           "libraries, model, data, training) and of training alone (step MiB: the peak above the state after setup)")
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workloads", default="sft,dpo,grpo", help="comma-separated: sft, sft_padded, sft_packed, dpo, grpo")
     parser.add_argument("--steps", type=int, default=Settings.steps, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=Settings.warmup, help="untimed steps before them (>= 1)")
-    parser.add_argument("--rounds", type=int, default=1, help="posttrain/TRL speed-run pairs per workload")
+    parser.add_argument("--rounds", type=int, default=1, help="speed runs per side and workload (the sides in turn)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (0: torch's default); 1 avoids OpenMP spin contention on a loaded machine")
     parser.add_argument("--seq", type=int, default=Settings.seq)
@@ -192,14 +207,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "peak_step_mib": m.peak_mib, "peak_total_mib": m.baseline_mib + m.peak_mib,
                        "setup_mib": m.baseline_mib}
                 runs.append(row)
-                print(f"  {workload:11} {side:9} memory: peak {row['peak_total_mib']:6.0f} MiB (after setup "
+                print(f"  {workload:11} {side:12} memory: peak {row['peak_total_mib']:6.0f} MiB (after setup "
                       f"{row['setup_mib']:4.0f}), loss {row['losses'][-1]:.5g}", flush=True)
             for round_ in range(args.rounds):
                 for side in SIDES:
                     r = peak_memory(setup_job, run_job, side, workload, folder, s, args.threads, device="cpu",
                                     pin_allocator=False).result
                     runs.append({"workload": workload, "side": side, "measures": "speed", "round": round_, **r})
-                    print(f"  {workload:11} {side:9} speed, round {round_ + 1}: {r['useful_tokens'] / r['seconds']:8.1f} "
+                    print(f"  {workload:11} {side:12} speed, round {round_ + 1}: {r['useful_tokens'] / r['seconds']:8.1f} "
                           f"useful tok/s, {r['seconds'] / r['steps']:6.2f} s/step, loss {r['losses'][-1]:.5g}", flush=True)
     env["load_average_end"] = os.getloadavg()
     summaries = [summarize(w, [r for r in runs if r["workload"] == w]) for w in workloads]

@@ -1,4 +1,5 @@
-"""The posttrain-vs-TRL benchmark measures like with like: same data conventions, same start, same counts."""
+"""The posttrain-vs-TRL benchmark (native and transformers-backend sides) measures like with like: same data
+conventions, same start, same counts."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_summary_ratios_and_targets():
                 "peak_total_mib": peak, "peak_step_mib": step, "losses": [9.0]}
 
     rows = [memory("posttrain", 600, 100), memory("trl", 1000, 300), memory("posttrain", 650, 90),
-            memory("trl", 900, 280), run("posttrain", 2.0), run("trl", 4.0), run("posttrain", 4.0), run("trl", 4.0)]
+            memory("trl", 900, 280), run("posttrain", 2.0), run("trl", 4.0), run("posttrain", 4.0), run("trl", 4.0),
+            memory("posttrain-hf", 1300, 200), run("posttrain-hf", 12.0)]
     out = summarize("sft_packed", rows)
     assert out["posttrain"]["tokens_per_s"] == 1200 / 6 and out["trl"]["tokens_per_s"] == 1200 / 8
     assert out["ratios"]["tokens_per_s"] == pytest.approx(8 / 6)  # below 1.5: missed
@@ -90,6 +92,8 @@ def test_summary_ratios_and_targets():
     assert out["posttrain"]["final_loss"] == 0.5  # from the first speed run
     assert out["targets"] == {"tokens_per_s": False, "memory (process)": True, "memory (training)": True}
     assert summarize("grpo", rows)["targets"]["steps_per_s"] is True  # DPO/GRPO: steps/s >= 1.0
+    assert out["fallback"]["vs_native"]["tokens_per_s"] == pytest.approx((600 / 12) / (1200 / 6))
+    assert out["fallback"]["vs_trl"]["peak_total"] == 1.3 and out["fallback"]["vs_native"]["peak_step"] == 2.0
 
 
 @pytest.mark.slow
@@ -104,15 +108,18 @@ def test_both_sides_start_equal_and_count_the_same_tokens(tmp_path):
     assert set(summary) == {"sft_padded", "sft_packed", "dpo", "grpo"}
     assert {r["measures"] for r in result["runs"]} == {"speed", "memory"}
     runs = {(r["workload"], r["side"]): r for r in result["runs"] if r["measures"] == "speed"}
-    for workload in ("sft_padded", "dpo"):  # same batches on both sides
+    for workload in ("sft_padded", "dpo"):  # same batches on every side
         ours, trl = runs[(workload, "posttrain")], runs[(workload, "trl")]
-        assert ours["useful_tokens"] == trl["useful_tokens"] > 0
+        assert ours["useful_tokens"] == trl["useful_tokens"] == runs[(workload, "posttrain-hf")]["useful_tokens"] > 0
         assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4)
+    for workload in ("sft_padded", "sft_packed", "dpo"):  # the same model on transformers' code: the same losses
+        assert runs[(workload, "posttrain-hf")]["losses"] == pytest.approx(runs[(workload, "posttrain")]["losses"], rel=1e-4)
     for row in summary.values():
-        for side in ("posttrain", "trl"):
+        for side in ("posttrain", "posttrain-hf", "trl"):
             assert row[side]["tokens_per_s"] > 0 and row[side]["peak_total_mib"] > row[side]["peak_step_mib"] > 0
-        assert row["ratios"]["tokens_per_s"] > 0
-    assert "posttrain / TRL (this run)" in proc.stdout
+        assert row["ratios"]["tokens_per_s"] > 0 and row["fallback"]["vs_native"]["tokens_per_s"] > 0
+    assert "posttrain / TRL (this run)" in proc.stdout and "the transformers backend (posttrain-hf)" in proc.stdout
+    foreign = {"posttrain": {"transformers", "trl", "accelerate"}, "posttrain-hf": {"trl"}, "trl": {"posttrain"}}
     for run in result["runs"]:  # each run's process holds its own side's libraries only
-        foreign = {"transformers", "trl", "accelerate"} if run["side"] == "posttrain" else {"posttrain"}
-        assert not foreign & set(run["libraries"]), run
+        assert not foreign[run["side"]] & set(run["libraries"]), run
+    assert all("transformers" in r["libraries"] for r in result["runs"] if r["side"] == "posttrain-hf")
