@@ -9,7 +9,7 @@ not scored), `--batch` rows, AdamW, float32: one warm-up step and one measured s
 includes gradients, optimizer states and activations at once. Each probe is a freshly started
 process (`benchmarks/_memory.py`) that imports only its own side's libraries, as a job would;
 its peak is the process's resident-set high-water mark.
-The search doubles the sequence length from `--start-seq`, posttrain and TRL alternately, until
+The search doubles the sequence length from `--start-seq`, each side in turn (`run.SIDES`), until
 a side's peak exceeds the budget (or `--max-seq`); the table gives the longest length that
 stayed within it. Steps at this vocabulary are slow on a CPU (each token costs ~0.5 GFLOP in the
 output layer alone), so the default budget is small.

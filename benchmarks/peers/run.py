@@ -2,6 +2,7 @@
 final loss, side by side.
 
     python benchmarks/peers/run.py [--workloads sft,dpo,grpo] [--steps 3] [--warmup 1] [--rounds 1] [--json out.json]
+    python benchmarks/peers/run.py --table out.json      # a saved run's tables, as docs/benchmarks.md shows them
 
 Workloads (`sft` stands for both SFT layouts): `sft_padded`, `sft_packed`, `dpo`, `grpo`. Both
 sides start from one random-init Qwen3-architecture model saved once as an HF folder, train on
@@ -172,6 +173,29 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
           "libraries, model, data, training) and of training alone (step MiB: the peak above the state after setup)")
 
 
+LABELS = {"sft_padded": "SFT padded", "sft_packed": "SFT packed", "dpo": "DPO", "grpo": "GRPO"}
+
+
+def markdown_tables(result: dict[str, Any]) -> str:
+    """The docs' tables of one run (its peers.json): every side's numbers, then the ratios, so none is typed."""
+    lines = ["| workload | side | useful tok/s | steps/s | peak MiB (process) | peak MiB (training) | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row in result["summary"]:
+        for i, side in enumerate(SIDES):
+            r = row[side]
+            lines.append(f"| {LABELS[row['workload']] if i == 0 else ''} | {side} | {r['tokens_per_s']:,.1f} | "
+                         f"{r['steps_per_s']:.3f} | {r['peak_total_mib']:,.0f} | {r['peak_step_mib']:,.0f} | "
+                         f"{r['final_loss']:.5g} |")
+    lines += ["", "| workload | ratio | useful tok/s | steps/s | peak (process) | peak (training) |", "|---|---|---:|---:|---:|---:|"]
+    for row in result["summary"]:
+        pairs = (("posttrain / TRL", row["ratios"]), ("posttrain-hf / TRL", row["fallback"]["vs_trl"]),
+                 ("posttrain-hf / posttrain", row["fallback"]["vs_native"]))
+        for i, (name, q) in enumerate(pairs):
+            lines.append(f"| {LABELS[row['workload']] if i == 0 else ''} | {name} | {q['tokens_per_s']:.2f} | "
+                         f"{q['steps_per_s']:.2f} | {q['peak_total']:.2f} | {q['peak_step']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="sft,dpo,grpo", help="comma-separated: sft, sft_padded, sft_packed, dpo, grpo")
@@ -186,7 +210,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=Settings.layers)
     parser.add_argument("--json", type=Path, default=BENCHMARKS.parent / "results" / "benchmarks" / "peers.json",
                         help="where to write settings, environment, every run and the ratios")
+    parser.add_argument("--table", type=Path, help="print the markdown tables of a saved run (its --json) and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        result = json.loads(args.table.read_text())
+        print(markdown_tables(result))
+        return result
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup, --steps and --rounds must be >= 1 (the first step holds lazy initializations)")
     workloads = parse_workloads(args.workloads)
@@ -222,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(summaries)
     result = {"settings": s.as_dict(), "rounds": args.rounds, "environment": env, "runs": runs, "summary": summaries}
     write_json(args.json, result)
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json}; its tables for the docs: python benchmarks/peers/run.py --table {args.json}")
     return result
 
 

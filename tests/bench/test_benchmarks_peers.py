@@ -119,6 +119,10 @@ def test_both_sides_start_equal_and_count_the_same_tokens(tmp_path):
             assert row[side]["tokens_per_s"] > 0 and row[side]["peak_total_mib"] > row[side]["peak_step_mib"] > 0
         assert row["ratios"]["tokens_per_s"] > 0 and row["fallback"]["vs_native"]["tokens_per_s"] > 0
     assert "posttrain / TRL (this run)" in proc.stdout and "the transformers backend (posttrain-hf)" in proc.stdout
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run.py"), "--table", str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"| GRPO | posttrain | {summary['grpo']['posttrain']['tokens_per_s']:,.1f} |" in table
+    assert table.count("| posttrain-hf / posttrain |") == 4
     foreign = {"posttrain": {"transformers", "trl", "accelerate"}, "posttrain-hf": {"trl"}, "trl": {"posttrain"}}
     for run in result["runs"]:  # each run's process holds its own side's libraries only
         assert not foreign[run["side"]] & set(run["libraries"]), run
