@@ -1,8 +1,22 @@
-"""Reading Snakemake's console output in tests."""
+"""Snakemake in tests: a copy of the repository to run it in, and reading its console output."""
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_repo(root: Path, names: tuple[str, ...]) -> None:
+    """The repository's files and folders `names` under `root` (bytecode caches left out), for a workflow run there."""
+    for name in names:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, root / name)
 
 
 def job_counts(output: str) -> Counter:

@@ -27,7 +27,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 from report_testing import TABLE, write_outputs
-from snakemake_testing import job_counts
+from snakemake_testing import copy_repo, job_counts
 
 from posttrain.workflow.schema import load_config
 from posttrain.workflow.plan import build_plan
@@ -136,12 +136,7 @@ def workflow(tmp_path_factory):
     """A workflow copy whose results hold hand-written stage outputs, the report stage's real output
     and Snakemake's HTML report of them."""
     root = tmp_path_factory.mktemp("report_html")
-    for name in ("Snakefile", "workflow", "envs", "profiles", "config", "stages", "posttrain"):
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(src, root / name)
+    copy_repo(root, ("Snakefile", "workflow", "envs", "profiles", "config", "stages", "posttrain"))
     (root / "ablations.tsv").write_text(TABLE)
     results = root / "results"
     overrides = {"results": str(results), "ablations": str(root / "ablations.tsv")}

@@ -11,7 +11,6 @@ evaluations have their numbers.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -23,10 +22,10 @@ import yaml
 
 from hf_testing import save_family, transformers_weights
 from sft_testing import env_for, weights
+from snakemake_testing import copy_repo
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "stages", "posttrain", "envs")  # keys cover its code
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")
 TOKENIZER_VOCAB = 300
@@ -74,12 +73,7 @@ def model_folders(root: Path, family: str, rows: list[dict]) -> tuple[Path, Path
 def test_every_stage_runs_a_model_only_transformers_runs(family, tmp_path):
     work = tmp_path / "repo"
     work.mkdir()
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(src, work / name)
+    copy_repo(work, WORKFLOW_FILES)
     rows = chat_rows(64)
     (work / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     policy, student = model_folders(tmp_path, family, rows)

@@ -12,7 +12,6 @@ out of the checkout. The `slurm` profile is installed by the documented command 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from posttrain.workflow.launch import LaunchSpec, command_prefix
 from grpo_testing import GRPO_SCRIPT, RANDOM_DATA, grpo_config, random_policy, summary
 from sft_testing import SFT_SCRIPT, SMALL_SFT, env_for, prepare_data, resolved_config, run_sft, write_config
 from test_dpo_stage import DPO_SCRIPT, SHORT, dpo_config, run_dpo
-from snakemake_testing import job_counts
+from snakemake_testing import copy_repo, job_counts
 from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
 
 # About 8 minutes on 2 idle cores (each job also starts a nested Snakemake, 10-17 s); the limits
@@ -69,11 +68,7 @@ def slurm_cluster(tmp_path_factory):
 def workdir(tmp_path) -> Path:
     root = tmp_path / "repo"
     root.mkdir()
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name,
-                                                            **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                                               if src.is_dir() else {}))
+    copy_repo(root, WORKFLOW_FILES)
     return root
 
 

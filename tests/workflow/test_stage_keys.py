@@ -24,7 +24,7 @@ from posttrain.workflow.schema import get_dotted, load_config
 from posttrain.workflow.fingerprint import StageSourceError, declared_reads, fingerprint, module_hashes
 from posttrain.workflow.layout import STAGE_DIRS
 from posttrain.workflow.plan import build_plan
-from snakemake_testing import job_counts
+from snakemake_testing import copy_repo, job_counts
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "[0-9a-f]{12}"
@@ -204,12 +204,7 @@ class Copy:
     def __init__(self, root: Path):
         self.root = root
         root.mkdir()
-        for name in COPIED:
-            src = REPO / name
-            if src.is_dir():
-                shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy(src, root / name)
+        copy_repo(root, COPIED)
         self.results = root / "results" / "smoke"
 
     def dry_run(self) -> tuple[Counter, str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.workflow.fingerprint import declared_reads
-from snakemake_testing import job_counts
+from snakemake_testing import copy_repo, job_counts
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill", "evaluate", "export", "report")
@@ -65,9 +65,7 @@ class Workflow:
     def __init__(self, root: Path):
         self.root = root
         root.mkdir()
-        for name in ("Snakefile", "workflow", "envs", "profiles"):
-            src = REPO / name
-            (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name)
+        copy_repo(root, ("Snakefile", "workflow", "envs", "profiles"))
         (root / "config").mkdir()
         shutil.copy(REPO / "config" / "config.yaml", root / "config" / "config.yaml")
         (root / "stages").mkdir()
