@@ -282,18 +282,21 @@ def _held_digests_on_worker(worker: Any, shapes: dict[str, list[int]]) -> HeldDi
     """`VLLMBackend.held_digests` on a vLLM worker (one process: the model's digests, not its tensors, come back)."""
     model = worker.get_model()
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+
+    def digest(tensor: torch.Tensor, shape: Sequence[int]) -> tuple[torch.dtype, int]:
+        return tensor.dtype, tensor_digest(tensor[tuple(slice(0, n) for n in shape)])  # vocabulary padding cut
+
     held = {}
     for name, shape in shapes.items():
         tensor = _vllm_tensor(model, name, shapes, packed)
         if tensor is not None:
-            tensor = tensor[tuple(slice(0, n) for n in shape)]  # the vocabulary padded to a multiple
-            held[name] = (tensor.dtype, tensor_digest(tensor))
+            held[name] = digest(tensor, shape)
     embed = "model.embed_tokens.weight"
     if embed in held and "lm_head.weight" not in shapes and hasattr(model, "lm_head"):
         # tied embeddings: the LM head's copy (its own prepacked kernel on CPU) must hold the same values
         head = _vllm_tensor(model, "lm_head.weight", shapes, packed)
-        if head is not None and tensor_digest(head[tuple(slice(0, n) for n in shapes[embed])]) != held[embed][1]:
-            held[embed] = (head.dtype, tensor_digest(head[tuple(slice(0, n) for n in shapes[embed])]))
+        if head is not None and (read := digest(head, shapes[embed]))[1] != held[embed][1]:
+            held[embed] = read
     return held
 
 
