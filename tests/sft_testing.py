@@ -82,6 +82,15 @@ def run_sft(cfg: dict[str, Any], data: Path, out: Path, nproc: int = 1, check: b
     return proc
 
 
+def run_stage_script(stage: str, cfg: dict[str, Any], data: Path, out: Path) -> Path:
+    """`stages/<stage>.py` on the prepared data (its model from `cfg['model']`), in a subprocess; the output folder."""
+    config = write_config(cfg, out.parent / f"{out.name}.json")
+    proc = subprocess.run([sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--config", str(config), "--data",
+                           str(data), "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env_for())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -114,12 +114,17 @@ def model_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     if not is_adapter_folder(folder):
         return read_safetensors(weight_files(folder))
-    base = resolve_model_source(adapter_base(folder))
+    return with_adapter(folder, model_tensors(resolve_model_source(adapter_base(folder))))
+
+
+def with_adapter(folder: Path, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base's tensors with the adapter-only `folder`'s PEFT adapter folded in."""
     adapter_config = json.loads((folder / ADAPTER_CONFIG).read_text())
     try:
-        return merge_peft_adapter(model_tensors(base), read_safetensors([folder / ADAPTER_WEIGHTS]), adapter_config)
+        return merge_peft_adapter(base, read_safetensors([folder / ADAPTER_WEIGHTS]), adapter_config)
     except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{folder}: the adapter does not apply to its base {base}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{folder}: the adapter does not apply to its base {adapter_base(folder)}: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -134,11 +139,6 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def tied_head(model: Transformer | HFCausalLM) -> bool:
-    """Whether the output projection is the input embedding (its `lm_head.weight` is then not written)."""
-    return model.tied_head if isinstance(model, HFCausalLM) else model.args.tie_word_embeddings
-
-
 def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state dict of `model` under its checkpoint's names: a native model's are already; transformers renames
     some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out)."""
@@ -148,7 +148,7 @@ def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy checkpoint tensors into the model, refusing any missing, unexpected or misshapen tensor."""
     expected = dict(model.state_dict())
-    if tied_head(model):
+    if model.tied_head:
         expected.pop("lm_head.weight", None)
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(tensors))
@@ -196,12 +196,15 @@ def load_hf_model(
 
 def load_transformers_model(folder: Path, config: dict[str, Any]) -> HFCausalLM:
     """transformers' `from_pretrained` of a folder (safetensors only, float32, its own checkpoint renamings),
-    refusing missing, unexpected or misshapen tensors."""
+    refusing missing, unexpected or misshapen tensors. An adapter-only folder: its base, loaded so, with the
+    adapter folded in under the loaded model's names (PEFT's, as the adapter was saved)."""
     from transformers import AutoModelForCausalLM
 
     if is_adapter_folder(folder):
-        raise CheckpointError(f"{folder}: an adapter-only folder cannot start the transformers backend; "
-                              "save the stage's merged weights (<stage>.save: merged or both)")
+        base = resolve_model_source(adapter_base(folder))
+        model = load_transformers_model(base, read_hf_config(base))
+        model.load_state_dict(with_adapter(folder, model.state_dict()))
+        return model
     weight_files(folder)  # refuses pickles with the reason
     causal_lm, info = AutoModelForCausalLM.from_pretrained(
         folder, config=transformers_config(config, str(folder / "config.json")), dtype=torch.float32,

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 PEFT_PREFIX = "base_model.model."  # PEFT's names for the wrapped model's tensors
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -112,36 +113,43 @@ def apply_lora(
     rank: int,
     alpha: float,
     dropout: float = 0.0,
-    targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    targets: Sequence[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     quantize_base: bool = False,
     modules_to_save: Sequence[str] = (),
 ) -> nn.Module:
     """Freeze every parameter and wrap the `nn.Linear`s whose last name component is in `targets`.
 
-    `quantize_base=True` is QLoRA (NF4 base weights): call it on a model holding its real
-    weights (load the checkpoint first), before `parallelize`. `modules_to_save`: top-level
-    modules that stay fully trainable and are saved with the adapter (PEFT's `modules_to_save`:
-    the reward model's new `score` head, which no base holds).
+    `targets="all-linear"` (PEFT's meaning) wraps every `nn.Linear` but the output head: the way to
+    adapt a family whose projections have other names (GPT-NeoX's `query_key_value`, ...) on the
+    transformers backend. `quantize_base=True` is QLoRA (NF4 base weights): call it on a model
+    holding its real weights (load the checkpoint first), before `parallelize`. `modules_to_save`:
+    top-level modules that stay fully trainable and are saved with the adapter (PEFT's
+    `modules_to_save`: the reward model's new `score` head, which no base holds).
     """
+    head = getattr(model, "lm_head", None)
+    linear = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    if targets == ALL_LINEAR:
+        targets = tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in linear.items() if m is not head))
     targets, modules_to_save = fused_targets(model, tuple(targets)), tuple(modules_to_save)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in modules_to_save:
         model.get_submodule(name).requires_grad_(True)
     matched: set[str] = set()
-    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
-    for name, module in list(model.named_modules()):
+    for name, module in linear.items():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in targets or not isinstance(module, nn.Linear):
+        if leaf not in targets:
             continue
-        if name == "lm_head" and tied:
-            raise ValueError("lora.targets: lm_head is tied to the embeddings and cannot take an adapter")
+        if module is head and getattr(model, "tied_head", False):
+            raise ValueError(f"lora.targets: {leaf} is tied to the embeddings and cannot take an adapter")
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, LoRALinear(module, rank, alpha, dropout, quantize_base))
         matched.add(leaf)
     missing = [t for t in targets if t not in matched]
     if missing:
-        raise ValueError(f"lora.targets: {missing} match no nn.Linear in the model")
+        names = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear))
+        raise ValueError(f"lora.targets: {missing} match no nn.Linear in the model (its linear layers: {names}; "
+                         f"or lora.targets: {ALL_LINEAR})")
     model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), targets, quantize_base, modules_to_save)
     return model
 

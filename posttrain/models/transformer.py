@@ -295,6 +295,11 @@ class Transformer(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
+    @property
+    def tied_head(self) -> bool:
+        """Whether the output projection is the input embedding (its `lm_head.weight` is then not written)."""
+        return self.args.tie_word_embeddings
+
     def tie_weights(self) -> None:
         """Re-tie after `to_empty`/sharding, which can replace parameter objects."""
         if self.args.tie_word_embeddings:

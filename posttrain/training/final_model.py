@@ -54,9 +54,7 @@ def save_final_model(
     `save` (merged | adapter | both) what a LoRA/QLoRA model writes. A `hf_config` of a sequence
     classifier (the reward model) gives a PEFT adapter of task type SEQ_CLS.
     """
-    full = gather_full_state_dict(model)
-    if is_main:
-        full = checkpoint_state(model, full)
+    full = gather_full_state_dict(model)  # under the model's module names, the adapters' (PEFT's) too
     if is_main:
         lora = getattr(model, "lora_config", None) is not None
         dtype = DTYPES[cfg["model"]["dtype"]]
@@ -67,7 +65,8 @@ def save_final_model(
                 write_hf_config(hf_config, tmp, dtype=dtype)
                 save_peft_adapter(model, tmp, base_model, full, task_type)
             else:
-                save_hf_model(merged_state_dict(model, full) if lora else full, hf_config, tmp, dtype=dtype)
+                weights = merged_state_dict(model, full) if lora else full
+                save_hf_model(checkpoint_state(model, weights), hf_config, tmp, dtype=dtype)
             tokenizer.save(tmp)
             if lora and save == "both":
                 save_peft_adapter(model, tmp / "adapter", base_model, full, task_type)

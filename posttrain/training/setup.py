@@ -28,7 +28,7 @@ from posttrain.model_files import load_hf_model, read_hf_config, resolve_model_s
 from posttrain.models import ModelConfigError, Transformer, is_preset, preset_config
 from posttrain.models.args import model_backend
 from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
-from posttrain.models.lora import apply_lora
+from posttrain.models.lora import ALL_LINEAR, apply_lora
 from posttrain.optim import build_lr_scheduler, build_optimizer
 from posttrain.parallel import DistInfo, load_full_state_dict, materialize, parallelize
 from posttrain.tokenizer import Tokenizer
@@ -110,9 +110,6 @@ def build_model(
     seed = int(cfg["seed"])
     backend = cfg["model"]["backend"]
     on_transformers = backend_of(source, hf_config, backend) == "transformers"
-    if on_transformers and method != "full":
-        raise ModelConfigError(f"method {method!r}: LoRA/QLoRA are not on the transformers backend "
-                               f"({hf_config.get('model_type')}) yet; use method: full")
     if mesh is None or method == "qlora" or on_transformers:
         # transformers' models are built whole on every rank (no meta-device build), then sharded.
         model = initial_model(source, hf_config, seed, backend).to(info.device)
@@ -128,7 +125,7 @@ def build_model(
     return model
 
 
-def add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] | None,
+def add_adapters(model: Transformer | HFCausalLM, method: str, lora_cfg: Mapping[str, Any] | None,
                  modules_to_save: tuple[str, ...] = ()) -> None:
     """`method`'s adapters (none for full) from a stage's `lora` section; `modules_to_save` stay trainable and
     are saved with the adapter (the reward model's score head)."""
@@ -141,7 +138,7 @@ def add_adapters(model: Transformer, method: str, lora_cfg: Mapping[str, Any] | 
         rank=int(lora_cfg["rank"]),
         alpha=float(lora_cfg["alpha"]),
         dropout=float(lora_cfg.get("dropout", 0.0)),
-        targets=tuple(lora_cfg["targets"]),
+        targets=lora_cfg["targets"] if lora_cfg["targets"] == ALL_LINEAR else tuple(lora_cfg["targets"]),
         quantize_base=method == "qlora",
         modules_to_save=modules_to_save,
     )

@@ -15,7 +15,7 @@ import torch
 
 from hf_testing import FAMILIES, VOCAB, hf_greedy, left_padded, save_family, transformers_weights
 from posttrain.generation.sampler import SamplingParams, generate
-from posttrain.model_files import CheckpointError, load_hf_model
+from posttrain.model_files import CheckpointError, load_hf_model, model_tensors
 from posttrain.models.args import ModelConfigError, model_backend
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.parallel import parallelize
@@ -239,3 +239,69 @@ def test_what_it_cannot_run_stops_before_any_work_naming_the_key(tmp_path, monke
                              "--out", tmp_path / "export"], monkeypatch)
     assert "export.int8: the int8 copy quantizes the native model's layers" in capsys.readouterr().err
     assert not (tmp_path / "gae").exists() and not (tmp_path / "rm").exists() and not (tmp_path / "export").exists()
+
+
+def test_lora_sft_on_it_trains_only_adapters_that_load_with_peft(tmp_path):
+    """`lora.targets: all-linear` on GPT-NeoX, whose projections have no Llama names: the SFT stage trains adapters on
+    every linear layer but the head, the merged output is the start plus the adapters folded in (bitwise), and PEFT
+    puts the saved adapter on transformers' own base model to give the merged output's logits."""
+    from lora_testing import assert_only_adapters_trained
+    from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses
+
+    peft = pytest.importorskip("peft")
+    folder = tmp_path / "base"
+    save_family("gpt_neox", folder)
+    data = prepare_data(tmp_path, {"n_sft": 120})
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": "all-linear"}
+    sft = {"steps": 8, "batch_size": 8, "lr": 2e-2, "warmup_steps": 0, "checkpoint_every": 1000, "log_every": 1,
+           "method": "lora", "lora": lora}
+    cfg = resolved_config("sft", "hf-lora", sft=sft, model={"policy": str(folder)})
+    run_sft(cfg, data, tmp_path / "out")
+    out = tmp_path / "out"
+    losses = train_losses(metrics(out))
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
+    assert json.loads((out / "posttrain.json").read_text())["metrics"]["model_backend"] == "transformers"
+    adapted = assert_only_adapters_trained(model_tensors(folder), out, out / "adapter", lora["alpha"] / lora["rank"])
+    assert adapted == 2 * 4  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h in each of the two layers
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["target_modules"] == sorted(
+        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = ids(3, 12, seed=2)
+    with torch.no_grad():
+        a, b = with_adapter(input_ids=tokens).logits, merged(input_ids=tokens).logits
+        with with_adapter.disable_adapter():
+            untrained = with_adapter(input_ids=tokens).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert (b - untrained).abs().max() > 1e-2
+
+
+def test_qlora_dpo_on_it_scores_against_the_adapters_off_and_saves_an_adapter_later_stages_load(tmp_path):
+    """QLoRA DPO on GPT-NeoX (NF4 base): the reference is the policy with its adapters off, so the first step's
+    sigmoid loss is log 2 plus the chosen-NLL term, and training moves it; `save: adapter` writes the PEFT adapter
+    alone, and the transformers backend starts from that folder as its base with the adapter folded in."""
+    from sft_testing import metrics, prepare_data, resolved_config, run_stage_script
+
+    folder = tmp_path / "base"  # NF4 splits a weight into blocks of 64 x 256 values: every weight a multiple of that
+    save_family("gpt_neox", folder, hidden_size=128, intermediate_size=512, num_attention_heads=4)
+    data = prepare_data(tmp_path, {"n_preference": 40})
+    dpo = {"steps": 6, "batch_size": 4, "lr": 2e-2, "warmup_steps": 0, "checkpoint_every": 1000, "log_every": 1,
+           "method": "qlora", "save": "adapter",
+           "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["query_key_value", "dense_4h_to_h"]}}
+    cfg = resolved_config("dpo", "hf-qlora", dpo=dpo, model={"policy": str(folder)})
+    out = run_stage_script("dpo", cfg, data, tmp_path / "dpo")
+    steps = [r for r in metrics(out) if "loss" in r]
+    weight = cfg["dpo"]["chosen_nll_weight"]
+    assert steps[0]["loss"] == pytest.approx(0.6931 + weight * steps[0]["nll/chosen"], abs=1e-3)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.05, [r["loss"] for r in steps]
+    assert "model.safetensors" not in {p.name for p in out.iterdir()} and (out / "adapter_model.safetensors").exists()
+
+    started = load_hf_model(out, backend="auto")  # a later stage's start: the base with the adapter folded in
+    assert isinstance(started, HFCausalLM)
+    folded, base = started.checkpoint_state(started.state_dict()), model_tensors(folder)
+    expected = model_tensors(out)  # the native reader's merge of the same files
+    assert folded.keys() == expected.keys() and all(torch.equal(folded[k], expected[k]) for k in expected)
+    changed = {k for k in base if not torch.equal(base[k], folded[k])}
+    assert changed and all(k.endswith(("query_key_value.weight", "dense_4h_to_h.weight")) for k in changed), changed

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from grpo_testing import grpo_config, run_grpo, step_records
+from lora_testing import assert_only_adapters_trained
 from distill_testing import distill_config, random_model_folder, run_distill
-from sft_testing import ROOT, SMALL_DATA, env_for, metrics, prepare_data, resolved_config, train_losses, weights, write_config
+from sft_testing import (ROOT, SMALL_DATA, env_for, metrics, prepare_data, resolved_config, run_stage_script, train_losses,
+                         weights, write_config)
 from posttrain.model_files import model_tensors, read_safetensors, save_hf_model
 from posttrain.models import Transformer, preset_config
-from posttrain.models.lora import PEFT_PREFIX, fold_adapter
 from posttrain.rewards import load_reward_model
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.checkpointer import resume_dir
@@ -62,28 +63,6 @@ def grpo_whole(setup) -> Path:
     out = setup["tmp"] / "grpo-whole"
     run_grpo(lora_grpo(), setup["data"], setup["policy"], out, **ENV)
     return out
-
-
-def assert_only_adapters_trained(start: dict[str, torch.Tensor], out: Path, adapter: Path, scale: float,
-                                 head: str | None = None) -> int:
-    """Every merged weight of `out` is its start's, bitwise, or (an adapted module) the start's with the trained
-    adapter folded in, bitwise; each adapter trained (B non-zero). `head`: a module trained in full. Returns how
-    many modules were adapted."""
-    merged, tensors = weights(out), read_safetensors([adapter / "adapter_model.safetensors"])
-    adapted = 0
-    for name, weight in merged.items():
-        if head is not None and name.startswith(f"{head}."):
-            assert torch.equal(weight, tensors[PEFT_PREFIX + name]) and not torch.equal(weight, start[name])
-            continue
-        module = name.removesuffix(".weight")
-        a, b = tensors.get(f"{PEFT_PREFIX}{module}.lora_A.weight"), tensors.get(f"{PEFT_PREFIX}{module}.lora_B.weight")
-        if a is None:
-            assert torch.equal(weight, start[name]), f"{name} has no adapter but changed"
-            continue
-        adapted += 1
-        assert b.abs().max() > 0, f"{module}.lora_B never trained"
-        assert torch.equal(weight, fold_adapter(start[name], a, b, scale)), f"{name} is not its base plus the adapter"
-    return adapted
 
 
 def test_lora_grpo_raises_the_reward_training_only_the_adapters(setup, grpo_whole):
@@ -217,14 +196,6 @@ def test_the_dry_run_refuses_adapter_saves_without_adapters_and_lora_under_tenso
     assert validate_config(cfg)["dpo"]["save"] == "adapter"
 
 
-def _run_stage(stage: str, cfg: dict[str, Any], data: Path, out: Path) -> Path:
-    config = write_config(cfg, out.parent / f"{out.name}.json")
-    proc = subprocess.run([sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--config", str(config), "--data",
-                           str(data), "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=env_for())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
 def test_lora_sft_and_dpo_train_and_their_adapter_only_outputs_load_with_peft(stage, setup):
     """The first stages too: the loss falls, the adapter alone (`save: adapter`) loads with PEFT on the start
@@ -237,7 +208,7 @@ def test_lora_sft_and_dpo_train_and_their_adapter_only_outputs_load_with_peft(st
     for save in ("both", "adapter"):
         cfg = resolved_config(stage, f"lora-{stage}-{save}", data=DATA, **{stage: {**section, "save": save}})
         cfg["model"]["policy"] = str(setup["policy"])
-        outs[save] = _run_stage(stage, cfg, setup["data"], setup["tmp"] / f"{stage}-{save}")
+        outs[save] = run_stage_script(stage, cfg, setup["data"], setup["tmp"] / f"{stage}-{save}")
     losses = train_losses(metrics(outs["both"]))
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
     assert train_losses(metrics(outs["adapter"])) == losses  # the save changes what is written, not the run
