@@ -18,13 +18,39 @@ FAMILIES = {
                     residual_multiplier=0.5, attention_multiplier=0.3),
 }
 
+# The native ports beyond Llama and Qwen (and Qwen2's window), tiny and float32, windows shorter than the sequences.
+NATIVE_VOCAB = 101
+NATIVE_WINDOW = 7  # shorter than every sequence of the tests: the window decides what a query sees
+NATIVE_BASE = dict(vocab_size=NATIVE_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                   bos_token_id=None, eos_token_id=None)
+NATIVE_FAMILIES = {
+    "mistral": dict(NATIVE_BASE, model_type="mistral", sliding_window=NATIVE_WINDOW, tie_word_embeddings=False),
+    # Qwen2 with use_sliding_window: the layers from max_window_layers on attend within the window.
+    "qwen2-sliding": dict(NATIVE_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=NATIVE_WINDOW,
+                          max_window_layers=1),
+    "olmo2": dict(NATIVE_BASE, model_type="olmo2", attention_bias=True),
+    # Every second layer without rope (transformers' no_rope_layer_interval rule).
+    "smollm3": dict(NATIVE_BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
+    # Local, global, local; the global layers' rope linearly scaled, the local ones' own theta.
+    "gemma3_text": dict(NATIVE_BASE, model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24,
+                        sliding_window=NATIVE_WINDOW,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_theta=100_000.0, rope_local_base_freq=10_000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # Fused projections, half the head dims rotated, every layer windowed (Phi-3-mini-4k's layout).
+    "phi3": dict(NATIVE_BASE, model_type="phi3", partial_rotary_factor=0.5, sliding_window=NATIVE_WINDOW),
+}
+
 
 def save_family(name: str, folder: str | Path, **overrides: Any):
-    """A random model of the family, saved as transformers saves it (norms and biases away from their init)."""
+    """A random model of the family (a transformers-only one of FAMILIES, or a native port's of NATIVE_FAMILIES), saved
+    as transformers saves it (norms and biases away from their init)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(name, **{**FAMILIES.get(name, SMALL), **overrides})
+    settings = NATIVE_FAMILIES[name] if name in NATIVE_FAMILIES else {"model_type": name, **FAMILIES.get(name, SMALL)}
+    config = transformers.AutoConfig.for_model(**{**settings, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():

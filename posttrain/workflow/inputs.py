@@ -185,6 +185,15 @@ def model_record(source: str, hashes: ContentHashes, presets: Sequence[str], tok
     return hub_revision(source, None, "model")
 
 
+def without_unread_policy(stage: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer stage's settings without `model.policy` when `model.tokenizer` names the tokenizer: the policy is
+    then not read, so variants of other policies with one tokenizer share the data preparation."""
+    model = settings.get("model", {})
+    if stage in TOKENIZER_STAGES and model.get("tokenizer") and "policy" in model:
+        settings = {**settings, "model": {k: v for k, v in model.items() if k != "policy"}}
+    return settings
+
+
 def user_inputs(stage: str, settings: Mapping[str, Any], hashes: ContentHashes, presets: Sequence[str],
                 search: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Dotted config key -> record, for every file the user brings that `stage` reads (`settings`: its READS)."""

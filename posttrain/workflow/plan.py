@@ -27,7 +27,7 @@ from posttrain.stage_config import CONFIG_SUFFIX, META_KEYS, RUN_KEYS, RUN_SECTI
 from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
-from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs
+from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs, without_unread_policy
 from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, pipeline_order
 from posttrain.workflow.model_names import preset_names
 
@@ -197,7 +197,7 @@ class Plan:
     def _add(self, stage: str, cfg: Mapping[str, Any], inputs: dict[str, Job]) -> Job:
         code = self.code(stage)
         upstream = {job.stage: job.key for job in inputs.values()}
-        settings = _settings(code, cfg)
+        settings = without_unread_policy(stage, _settings(code, cfg))
         files = user_inputs(stage, settings, self.hashes, preset_names(), code_search_path(self.repo))
         key = stage_key(stage, settings, upstream, code.fingerprint, files)
         planned = self.jobs.setdefault(stage, {})

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_testing import hf_greedy
+from hf_testing import NATIVE_BASE as BASE, NATIVE_FAMILIES as FAMILIES, NATIVE_VOCAB as VOCAB, NATIVE_WINDOW as WINDOW, hf_greedy
 from posttrain.generation.sampler import SamplingParams, generate
 from posttrain.model_files import load_hf_model
 from posttrain.models import ModelArgs, ModelConfigError, Transformer
@@ -25,26 +25,6 @@ from posttrain.workflow.preflight import model_source_problem
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 101
-WINDOW = 7  # shorter than every sequence below: the window decides what a query sees
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None)
-FAMILIES = {
-    "mistral": dict(BASE, model_type="mistral", sliding_window=WINDOW, tie_word_embeddings=False),
-    # Qwen2 with use_sliding_window: the layers from max_window_layers on attend within the window.
-    "qwen2-sliding": dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW,
-                          max_window_layers=1),
-    "olmo2": dict(BASE, model_type="olmo2", attention_bias=True),
-    # Every second layer without rope (transformers' no_rope_layer_interval rule).
-    "smollm3": dict(BASE, model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=2),
-    # Local, global, local; the global layers' rope linearly scaled, the local ones' own theta.
-    "gemma3_text": dict(BASE, model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                        rope_theta=100_000.0, rope_local_base_freq=10_000.0,
-                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    # Fused projections, half the head dims rotated, every layer windowed (Phi-3-mini-4k's layout).
-    "phi3": dict(BASE, model_type="phi3", partial_rotary_factor=0.5, sliding_window=WINDOW),
-}
 FWD_ATOL = 1e-5
 GRAD_RTOL = 1e-5
 

@@ -77,6 +77,28 @@ def test_data_prep_keys_only_the_tokenizer_of_a_model_folder(tmp_path):
     assert user_inputs("sft", {"model": {"policy": "tiny"}}, hashes, presets, []) == {}  # a preset is our code
 
 
+def test_policies_sharing_model_tokenizer_share_their_data_preparation(tmp_path):
+    """Variants of two policy folders with one `model.tokenizer`: one data preparation (the policy is not read there),
+    two SFT runs; without `model.tokenizer`, each policy's own tokenizer makes its own data."""
+    from posttrain.workflow.plan import build_plan
+    from posttrain.workflow.schema import load_config
+
+    policies = [model_folder(tmp_path / name) for name in ("a", "b")]
+    tokenizer = model_folder(tmp_path / "tok")
+    (policies[1] / "tokenizer.json").write_text('{"other": 1}')
+    table = tmp_path / "families.tsv"
+    table.write_text("variant\tmodel.policy\n" + "".join(f"{p.name}\t{p}\n" for p in policies))
+    keys = {}
+    for shared in (str(tokenizer), None):
+        cfg = load_config()
+        cfg.update(ablations=str(table), results=str(tmp_path / "results"))
+        cfg["model"]["tokenizer"] = shared
+        plan = build_plan(cfg)
+        keys[shared] = {stage: {v.stages[stage].key for v in plan.variants.values()} for stage in ("prepare_data", "sft")}
+    assert len(keys[str(tokenizer)]["prepare_data"]) == 1 and len(keys[str(tokenizer)]["sft"]) == 2, keys
+    assert len(keys[None]["prepare_data"]) == 2, keys
+
+
 def test_hub_ids_enter_by_the_commit_the_cache_resolves(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
