@@ -120,16 +120,18 @@ def test_dry_run_accepts_the_folder_and_refuses_native(family):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_sft_trains_the_family_and_writes_a_folder_transformers_loads(name, tmp_path):
-    """The SFT stage script from a saved folder: the loss falls, the output is the family's own HF folder with
-    the trained weights, and posttrain.json says which backend ran it."""
+    """The SFT stage script from a saved folder, with activation checkpointing and the optimizer stepping in backward:
+    the loss falls, the output is the family's own HF folder with the trained weights, and posttrain.json says which
+    backend ran it."""
     from sft_testing import metrics, prepare_data, resolved_config, run_sft, train_losses, weights
 
     folder = tmp_path / "base"
     save_family(name, folder)
     data = prepare_data(tmp_path, {"n_sft": 120})
-    sft = {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 1000, "log_every": 1}
+    sft = {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "checkpoint_every": 1000, "log_every": 1,
+           "max_grad_norm": None}
     cfg = resolved_config("sft", f"hf-{name}", sft=sft, model={"policy": str(folder)},
-                          memory={"activation_checkpointing": 1})
+                          memory={"activation_checkpointing": 1, "optimizer_in_backward": True})
     proc = run_sft(cfg, data, tmp_path / "out")
     assert "packed rows run as per-document position ids" in proc.stderr
     losses = train_losses(metrics(tmp_path / "out"))
