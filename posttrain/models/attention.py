@@ -144,10 +144,12 @@ def document_varlen(document_ids: torch.Tensor) -> VarlenMask:
     return VarlenMask(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
 
-@torch.compiler.assume_constant_result  # traced as its value: no graph break under torch.compile
 @functools.cache
 def varlen_available(device: torch.device) -> bool:
-    """Variable-length FlashAttention: CUDA sm80+ and torch.nn.attention.varlen importable."""
+    """Variable-length FlashAttention: CUDA sm80+ and torch.nn.attention.varlen importable.
+
+    `posttrain.parallel.apply_compile` marks it `torch.compiler.assume_constant_result` (traced as its value: no
+    graph break); marking it here would import torch._dynamo, ~2 s, in every process that imports the model."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
     try:

@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from posttrain.models.attention import varlen_available
 from posttrain.models.args import ModelArgs, ModelConfigError
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.models.lora import LORA_KEYS, LoRALinear, is_nf4, lora_modules
@@ -170,6 +171,8 @@ def apply_compile(model: nn.Module, mode: str | None) -> None:
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"memory.compile must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode is not None:
+        torch.compiler.assume_constant_result(varlen_available)
     if mode == "blocks":
         for block in _blocks(model).children():
             block.compile()
