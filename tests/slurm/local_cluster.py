@@ -164,13 +164,9 @@ class LocalSlurm:
                              capture_output=True, text=True, check=True).stdout
         return [dict(zip(("id", "comment", "state"), line.split("|"))) for line in out.splitlines() if line]
 
-    def lose_node(self, node: str, job: str) -> list[int]:
-        """Take `node` away as a crashed machine would, mid-`job`: SIGKILL its slurmd, then every process of
-        the job (its slurmstepd and the tasks, found by SLURM_JOB_ID in their environment); returns their PIDs."""
-        daemon = self.processes[f"slurmd-{node}"]
-        daemon.kill()
-        daemon.wait(timeout=30)
-        killed = []
+    def job_processes(self, job: str) -> list[int]:
+        """PIDs of every process of `job` on this machine: its slurmstepd and its tasks (SLURM_JOB_ID in their environment)."""
+        found = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
@@ -180,12 +176,40 @@ class LocalSlurm:
             except OSError:  # gone, or not ours to read
                 continue
             if cmdline.startswith(f"slurmstepd: [{job}.") or f"SLURM_JOB_ID={job}".encode() in environ:
-                try:
-                    os.kill(int(proc.name), signal.SIGKILL)
-                    killed.append(int(proc.name))
-                except ProcessLookupError:
-                    pass
+                found.append(int(proc.name))
+        return found
+
+    def lose_node(self, node: str, job: str) -> list[int]:
+        """Take `node` away as a crashed machine would, mid-`job`: SIGKILL its slurmd, then every process of
+        the job; returns their PIDs."""
+        daemon = self.processes[f"slurmd-{node}"]
+        daemon.kill()
+        daemon.wait(timeout=30)
+        killed = []
+        for pid in self.job_processes(job):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
         return killed
+
+    def release_requeued(self, job: str, away_from: str, timeout: float = 300) -> None:
+        """Start a requeued `job` now, on another node than `away_from`, instead of after the begin time Slurm
+        gives a requeued job (about two minutes of an idle test). Only once its previous run is gone: the job
+        pending again and none of its processes left (released while the first run was still ending, the
+        launch on the same node was refused: "already killed")."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"], env=self.env,
+                                   capture_output=True, text=True).stdout.strip()
+            if state == "PENDING" and not self.job_processes(job):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job} did not come back to PENDING with its processes gone (state {state!r})")
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={away_from}", "StartTime=now"],
+                       env=self.env, check=True, capture_output=True, timeout=30)
 
     def restart_node(self, node: str, timeout: float = 120) -> None:
         """Start `node`'s slurmd again and wait until every node is idle (ReturnToService=2 takes it back)."""

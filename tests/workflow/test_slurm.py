@@ -29,7 +29,7 @@ from test_dpo_stage import DPO_SCRIPT, SHORT, dpo_config, run_dpo
 from snakemake_testing import copy_repo, job_counts
 from slurm.local_cluster import ClusterBusy, LocalSlurm, install, node_line, unavailable_reason
 
-# About 8 minutes on 2 idle cores (each job also starts a nested Snakemake, 10-17 s); the limits
+# About 10 minutes on 2 idle cores (each job also starts a nested Snakemake, 10-17 s); the limits
 # leave room for a loaded machine.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -242,11 +242,10 @@ def test_a_requeued_sft_job_resumes_to_the_weights_of_an_uninterrupted_run(slurm
         assert time.monotonic() < deadline and _job_field(slurm_cluster, job, "JobState") in ("PENDING", "RUNNING"), \
             f"no training step logged: {log.read_text() if log.exists() else ''}\n{slurm_cluster.logs()}"
         time.sleep(0.2)
+    node = _job_field(slurm_cluster, job, "NodeList")
     subprocess.run(["scontrol", "requeue", job], env=slurm_cluster.env, check=True, capture_output=True)
     requeued = time.monotonic()
-    # Slurm holds a requeued job back for about two minutes (its begin time) before it starts it again.
-    # Releasing it early (`scontrol update StartTime=now`) raced with the end of the first run on a
-    # loaded machine: slurmd refused the launch ("already killed") and the job failed.
+    slurm_cluster.release_requeued(job, away_from=node)
     deadline = time.monotonic() + 600
     while _job_field(slurm_cluster, job, "JobState") != "COMPLETED":
         assert time.monotonic() < deadline and _job_field(slurm_cluster, job, "JobState") not in ("FAILED", "CANCELLED"), \
@@ -309,11 +308,13 @@ def test_a_requeue_and_a_lost_node_through_snakemake_end_with_the_weights_of_an_
             return _running_job(slurm_cluster, stage)
         return None
 
-    sft_job, _ = _wait_for("SFT to pause after step 20", lambda: paused("sft", 20), proc, slurm_cluster)
+    sft_job, sft_node = _wait_for("SFT to pause after step 20", lambda: paused("sft", 20), proc, slurm_cluster)
     subprocess.run(["scontrol", "requeue", sft_job], env=slurm_cluster.env, check=True, capture_output=True)
+    slurm_cluster.release_requeued(sft_job, away_from=sft_node)
     dpo_job, dpo_node = _wait_for("DPO to pause after step 10", lambda: paused("dpo", 10), proc, slurm_cluster, 900)
     assert slurm_cluster.lose_node(dpo_node, dpo_job), f"no process of job {dpo_job} found"
     try:
+        slurm_cluster.release_requeued(dpo_job, away_from=dpo_node)  # slurmctld requeues it once the node is down
         output = proc.communicate(timeout=1200)[0]
     finally:
         slurm_cluster.restart_node(dpo_node)
