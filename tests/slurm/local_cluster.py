@@ -198,11 +198,14 @@ class LocalSlurm:
         """Start a requeued `job` now, on another node than `away_from`, instead of after the begin time Slurm
         gives a requeued job (about two minutes of an idle test). Only once its previous run is gone: the job
         pending again and none of its processes left (released while the first run was still ending, the
-        launch on the same node was refused: "already killed")."""
+        launch on the same node was refused: "already killed"). A job that ended instead (failed for good, to be
+        submitted again by Snakemake's restart) is not held: nothing to release."""
         deadline = time.monotonic() + timeout
         while True:
-            state = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"], env=self.env,
-                                   capture_output=True, text=True).stdout.strip()
+            state = subprocess.run(["squeue", "--states=all", "--noheader", "--jobs", job, "--format=%T"],
+                                   env=self.env, capture_output=True, text=True).stdout.strip()
+            if state in ("FAILED", "NODE_FAIL", "CANCELLED", "COMPLETED", "TIMEOUT", "BOOT_FAIL", "OUT_OF_MEMORY"):
+                return
             if state == "PENDING" and not self.job_processes(job):
                 break
             if time.monotonic() > deadline:
