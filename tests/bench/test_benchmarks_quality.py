@@ -1,0 +1,91 @@
+"""benchmarks/peers/quality.py hands TRL exactly the rows posttrain trained on, in posttrain's order, and tabulates
+both sides from the saved comparisons."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path[:0] = [str(BENCH), *(str(d) for d in sorted(BENCH.glob("[a-z]*/")))]  # benchmarks/ and its groups
+
+import quality  # noqa: E402
+from sft_testing import prepare_data  # noqa: E402
+
+from posttrain.data.loader import preference_batches, sft_batches  # noqa: E402
+from posttrain.data.store import load_split  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory) -> Path:
+    return prepare_data(tmp_path_factory.mktemp("quality"), data={"packing": False, "n_preference": 24})
+
+
+def test_sft_rows_are_the_loaders_rows_with_the_same_trained_tokens(unpacked):
+    order = quality.trained_order(sft_batches(unpacked, 8, seed=3), 3)
+    again = sft_batches(unpacked, 8, seed=3)
+    assert order == [int(i) for _ in range(3) for i in next(again)["index"]]  # the seeded permutation, replayed
+    assert order != sorted(order)
+    docs = quality.sft_documents(unpacked, order)
+    rows = load_split(unpacked, "sft")[np.asarray(order)]
+    for ids, labels, ours_ids, ours_labels in zip(docs["input_ids"], docs["labels"], rows["input_ids"], rows["labels"]):
+        ours = {(t + 1, int(y)) for t, y in enumerate(ours_labels) if y != -100}  # posttrain: position t predicts t + 1
+        theirs = {(t, y) for t, y in enumerate(labels) if y != -100}  # transformers: the label sits on its own token
+        assert theirs == ours and ours
+        assert ids == list(ours_ids[: len(ids)]) and len(ids) < len(ours_ids)  # the document, without the padding
+        assert all(ids[t] == y for t, y in theirs)
+
+
+def test_packed_rows_are_refused_by_name(tmp_path):
+    packed = prepare_data(tmp_path, data={"packing": True, "max_seq_len": 256})
+    rows = load_split(packed, "sft")[np.arange(4)]
+    several = next(i for i in range(4)
+                   if len(set(np.asarray(rows["document_ids"][i])[np.asarray(rows["labels"][i]) != -100])) > 1)
+    with pytest.raises(SystemExit, match=rf"sft row {several}: \d trained documents"):
+        quality.sft_documents(packed, [several])
+
+
+def test_preference_pairs_split_at_the_first_trained_token(unpacked):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(unpacked / "tokenizer" / "tokenizer.json"))
+    order = quality.trained_order(preference_batches(unpacked, 4, seed=1), 2)
+    texts, expected = quality.preference_texts(unpacked, order, tokenizer)
+    rows = load_split(unpacked, "preference")[np.asarray(order)]
+    for i, want in enumerate(expected):
+        chosen = list(rows["chosen_input_ids"][i])
+        labels = list(rows["chosen_labels"][i])
+        first = labels.index(next(y for y in labels if y != -100))
+        assert want["prompt_ids"] == chosen[: first + 1]
+        assert want["prompt_ids"] + want["chosen_ids"] == chosen[: len(want["prompt_ids"]) + len(want["chosen_ids"])]
+        assert want["chosen_ids"] == [y for y in labels if y != -100]  # every trained token, nothing else
+        assert want["chosen_ids"] != want["rejected_ids"]
+        assert texts["prompt"][i] == tokenizer.decode(want["prompt_ids"], skip_special_tokens=False)
+
+
+def _saved(folder: Path, seed: int, ours: float, theirs: float) -> Path:
+    stages = {stage: {side: {"metrics": {"accuracy": value, "pass@1": value - 0.05, "pass@4": None, "nll": 0.2,
+                                         "pref_acc": 0.9 if stage == "dpo" else None},
+                             "wall_time_s": 120.0 * (2 if side == "trl" else 1)}
+                      for side, value in (("posttrain", ours), ("trl", theirs))}
+              for stage in quality.STAGES}
+    folder.mkdir()
+    env = {"cpu": "Test CPU", "cores": 2, "torch": "2.13.0", "transformers": "5", "trl": "1", "commit": "abc",
+           "date": "2026-12-04T00:00:00"}
+    (folder / "quality.json").write_text(json.dumps({"seed": seed, "stages": stages, "environment": env,
+                                                     "differences": ["a difference"]}))
+    return folder
+
+
+def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
+    one, two = _saved(tmp_path / "s1", 1, 0.6, 0.5), _saved(tmp_path / "s2", 2, 0.7, 0.5)
+    quality.main(["--table", str(one), str(two)])
+    out = capsys.readouterr().out
+    assert "| sft | posttrain | 0.650 ± 0.071 | 0.600 ± 0.071 | – | 0.200 ± 0.000 | – | 2.0 ± 0.0 |" in out
+    assert "| dpo | trl | 0.500 ± 0.000 | 0.450 ± 0.000 | – | 0.200 ± 0.000 | 0.900 ± 0.000 | 4.0 ± 0.0 |" in out
+    assert "seeds 1, 2" in out and "- a difference" in out
