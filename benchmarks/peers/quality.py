@@ -48,6 +48,7 @@ from peers_common import unshifted_labels  # noqa: E402
 
 STAGES = ("sft", "dpo", "grpo")
 METRICS = ("accuracy", "pass@1", "pass@4", "nll", "pref_acc")
+LOSS_STEPS = 10  # the training-loss comparison: both sides see the same rows, so SFT and DPO start out alike
 
 
 # ----- the posttrain run -----
@@ -111,6 +112,13 @@ def _arguments(section: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
             "dataloader_num_workers": 0}
 
 
+def _train(trainer, out: Path) -> list[float]:
+    """Train, save the model folder, and return the per-step training losses TRL logged."""
+    trainer.train()
+    trainer.save_model(str(out))
+    return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
 def _load(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,7 +153,7 @@ def sft_documents(data_dir: Path, order: Sequence[int]) -> dict[str, list[list[i
     return {"input_ids": ids_out, "labels": labels_out}
 
 
-def train_sft(policy: Path, data_dir: Path, section: dict[str, Any], seed: int, out: Path) -> None:
+def train_sft(policy: Path, data_dir: Path, section: dict[str, Any], seed: int, out: Path) -> list[float]:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -158,8 +166,7 @@ def train_sft(policy: Path, data_dir: Path, section: dict[str, Any], seed: int, 
                      max_length=None, packing=False, train_sampling_strategy="sequential")
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          optimizers=_optimizers(model, section))
-    trainer.train()
-    trainer.save_model(str(out))
+    return _train(trainer, out)
 
 
 def _split_pair(ids: Sequence[int], labels: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -192,7 +199,7 @@ def preference_texts(data_dir: Path, order: Sequence[int],
     return texts, expected
 
 
-def train_dpo(start: Path, data_dir: Path, section: dict[str, Any], seed: int, max_len: int, out: Path) -> None:
+def train_dpo(start: Path, data_dir: Path, section: dict[str, Any], seed: int, max_len: int, out: Path) -> list[float]:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -216,12 +223,11 @@ def train_dpo(start: Path, data_dir: Path, section: dict[str, Any], seed: int, m
         if row != want:
             raise SystemExit(f"TRL tokenized preference pair {order[i]} to other ids than posttrain trained on: "
                              f"{row} vs {want}")
-    trainer.train()
-    trainer.save_model(str(out))
+    return _train(trainer, out)
 
 
 def train_grpo(start: Path, data_dir: Path, reward_dir: Path, section: dict[str, Any], verifiers: list[Any],
-               seed: int, out: Path) -> None:
+               seed: int, out: Path) -> list[float]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -255,8 +261,7 @@ def train_grpo(start: Path, data_dir: Path, reward_dir: Path, section: dict[str,
     dataset = Dataset.from_dict({"prompt": prompts, "example": [json.dumps(e) for e in examples]})
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, optimizers=_optimizers(model, section))
-    trainer.train()
-    trainer.save_model(str(out))
+    return _train(trainer, out)
 
 
 def differences(cfg: dict[str, Any]) -> list[str]:
@@ -310,7 +315,7 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"run": str(run), "seed": seed, "policy": str(policy), "differences": differences(cfg),
                               "environment": environment(), "stages": {}}
     starts = {"sft": policy, "dpo": out / "sft", "grpo": out / "dpo"}
-    trainers: dict[str, Callable[[Path, Path], None]] = {
+    trainers: dict[str, Callable[[Path, Path], list[float]]] = {
         "sft": lambda start, dest: train_sft(start, data_dir, cfg["sft"], seed, dest),
         "dpo": lambda start, dest: train_dpo(start, data_dir, cfg["dpo"], seed, int(cfg["data"]["max_seq_len"]), dest),
         "grpo": lambda start, dest: train_grpo(start, data_dir, folders["reward"], cfg["grpo"],
@@ -319,7 +324,8 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
     for stage in [s for s in STAGES if s in folders]:
         ours_eval, eval_cfg = evaluation_of(folders[stage])
         ours = {"metrics": _pick(json.loads((ours_eval / "metrics.json").read_text())),
-                "wall_time_s": read_provenance(folders[stage])["wall_time_s"], "folder": str(folders[stage])}
+                "wall_time_s": read_provenance(folders[stage])["wall_time_s"], "folder": str(folders[stage]),
+                "train_loss": logged_losses(folders[stage])}
         row = {"posttrain": ours}
         dest = out / stage
         if stage in stages:
@@ -327,17 +333,33 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
                 raise SystemExit(f"{starts[stage]}: TRL's {stage} starts from it; run the earlier stages first")
             print(f"TRL {stage} from {starts[stage]}", flush=True)
             began = time.perf_counter()
-            trainers[stage](starts[stage], dest)
+            losses = trainers[stage](starts[stage], dest)
             wall = time.perf_counter() - began
             (dest / "posttrain.json").write_text(json.dumps(_trl_record(stage, cfg, wall), indent=2))
             metrics = evaluate(eval_cfg, data_dir, dest, out / "eval" / stage,
                                out / "sft" if stage == "dpo" else None)
-            row["trl"] = {"metrics": _pick(metrics), "wall_time_s": round(wall, 3), "folder": str(dest)}
+            row["trl"] = {"metrics": _pick(metrics), "wall_time_s": round(wall, 3), "folder": str(dest),
+                          "train_loss": losses}
         elif "trl" in previous.get("stages", {}).get(stage, {}):  # TRL's stage from an earlier invocation
             row["trl"] = previous["stages"][stage]["trl"]
         result["stages"][stage] = row
         write_json(out / "quality.json", result)
     return result
+
+
+def logged_losses(folder: Path) -> list[float]:
+    """A posttrain stage output's per-step training loss (`metrics.jsonl`), step 1 first."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_step = {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def loss_gap(row: dict[str, Any], steps: int = LOSS_STEPS) -> float | None:
+    """The largest |posttrain - TRL| per-step training loss over the first `steps` steps (None without both)."""
+    if "trl" not in row:
+        return None
+    ours, theirs = row["posttrain"]["train_loss"][:steps], row["trl"]["train_loss"][:steps]
+    return max(abs(a - b) for a, b in zip(ours, theirs)) if ours and theirs else None
 
 
 def _pick(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -398,6 +420,14 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             values = [cell([row["metrics"][m] for row in rows]) for m in METRICS]
             minutes = cell([row["wall_time_s"] for row in rows], 1 / 60, digits=1)
             lines.append(f"| {stage} | {side} | " + " | ".join(values) + f" | {minutes} |")
+    gaps = []
+    for stage in STAGES:
+        values = [g for r in results if (g := loss_gap(r["stages"].get(stage, {"posttrain": {}}))) is not None]
+        if values:
+            gaps.append(f"{stage} {max(values):.4f}")
+    if gaps:
+        lines += ["", "Per-step training loss, largest |posttrain - TRL| over the first "
+                      f"{LOSS_STEPS} steps (any seed): " + ", ".join(gaps) + "."]
     seeds = ", ".join(str(r["seed"]) for r in results)
     env = results[0]["environment"]
     lines += ["", f"*mean ± std over seeds {seeds}; {env['cpu']}, {env['cores']} cores, torch {env['torch']}, "

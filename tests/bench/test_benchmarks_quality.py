@@ -71,7 +71,8 @@ def test_preference_pairs_split_at_the_first_trained_token(unpacked):
 def _saved(folder: Path, seed: int, ours: float, theirs: float) -> Path:
     stages = {stage: {side: {"metrics": {"accuracy": value, "pass@1": value - 0.05, "pass@4": None, "nll": 0.2,
                                          "pref_acc": 0.9 if stage == "dpo" else None},
-                             "wall_time_s": 120.0 * (2 if side == "trl" else 1)}
+                             "wall_time_s": 120.0 * (2 if side == "trl" else 1),
+                             "train_loss": [1.0, 0.5] if side == "trl" else [1.0, 0.52]}
                       for side, value in (("posttrain", ours), ("trl", theirs))}
               for stage in quality.STAGES}
     folder.mkdir()
@@ -89,3 +90,4 @@ def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
     assert "| sft | posttrain | 0.650 ± 0.071 | 0.600 ± 0.071 | – | 0.200 ± 0.000 | – | 2.0 ± 0.0 |" in out
     assert "| dpo | trl | 0.500 ± 0.000 | 0.450 ± 0.000 | – | 0.200 ± 0.000 | 0.900 ± 0.000 | 4.0 ± 0.0 |" in out
     assert "seeds 1, 2" in out and "- a difference" in out
+    assert "first 10 steps (any seed): sft 0.0200, dpo 0.0200, grpo 0.0200." in out
