@@ -379,6 +379,9 @@ def environment() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        commit += " with uncommitted changes" if changed else ""
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
