@@ -433,7 +433,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                       f"{LOSS_STEPS} steps (any seed): " + ", ".join(gaps) + "."]
     seeds = ", ".join(str(r["seed"]) for r in results)
     env = results[0]["environment"]
-    lines += ["", f"*mean ± std over seeds {seeds}; {env['cpu']}, {env['cores']} cores, torch {env['torch']}, "
+    plural = "s" if len(results) > 1 else ""
+    lines += ["", f"*mean ± std over seed{plural} {seeds}; {env['cpu']}, {env['cores']} cores, torch {env['torch']}, "
                   f"transformers {env['transformers']}, TRL {env['trl']}, commit {env['commit']}, {env['date'][:10]}; "
                   "made by `python benchmarks/peers/quality.py --table " +
                   " ".join(r.get("out", "") for r in results).strip() + "`.*"]
@@ -449,15 +450,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="TRL stages to run (each starts from the one before)")
     parser.add_argument("--table", type=Path, nargs="+",
                         help="print the markdown table of saved --out folders and exit")
+    parser.add_argument("--update", type=Path,
+                        help="with --table: write it between <!-- quality:begin --> and <!-- quality:end --> "
+                             "in this file")
     args = parser.parse_args(argv)
     if args.table:
         results = []
         for folder in args.table:
             result = json.loads((folder / "quality.json").read_text())
             results.append({**result, "out": str(folder)})
-        print(markdown_table(results))
-        for note in results[0]["differences"]:
-            print(f"- {note}")
+        table = "\n".join([markdown_table(results), "", *(f"- {note}" for note in results[0]["differences"])])
+        print(table)
+        if args.update:
+            from posttrain.report.readme_table import replace_block
+
+            args.update.write_text(replace_block(args.update.read_text(), table, str(args.update), name="quality"))
         return
     if args.run is None or args.out is None:
         parser.error("give a run's output folder and --out (or --table)")
