@@ -1,5 +1,6 @@
 """A pruned student: the kept layers of a model folder, renumbered, give the logits of the original
-with the other layers removed (checked in transformers), with the tokenizer and a source record."""
+with the other layers removed (checked in transformers), with the tokenizer and a source record;
+the angular selection drops the block a model's hidden states pass through unchanged."""
 
 import json
 
@@ -9,7 +10,7 @@ from eval_fixtures import make_data, make_model
 
 from posttrain.model_files import load_hf_model
 from posttrain.model_files.hf import CheckpointError
-from posttrain.model_files.prune import SOURCE_FILE, kept_layers, main, prune
+from posttrain.model_files.prune import SOURCE_FILE, angular_layers, kept_layers, main, prune
 from posttrain.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -53,3 +54,56 @@ def test_the_pruned_folder_is_the_source_without_the_dropped_layers(tmp_path, mo
 def test_a_missing_folder_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "nope"), "--layers", "2", "--out", str(tmp_path / "out")]) == 1
     assert "nope" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_angular_layers_drop_the_closest_block_and_keep_the_last():
+    assert angular_layers([0.3, 0.1, 0.2], total=5, drop=2) == [0, 3, 4]
+    assert angular_layers([0.2, 0.2, 0.1], total=4, drop=1) == [0, 1, 3]
+
+
+def _chats(path, n=6):
+    rows = [{"messages": [{"role": "user", "content": f"Compute {a} + 30."}, {"role": "assistant", "content": f"#### {a + 30}"}]}
+            for a in range(10, 10 + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_angular_selection_drops_the_layers_that_pass_their_input_through(tmp_path, monkeypatch):
+    """Zeroing a block's output projections makes it the identity on the residual stream: its input
+    and output hidden states are equal, so the angular choice must drop exactly that block."""
+    data = make_data(tmp_path, monkeypatch)
+    tok = Tokenizer(data / "tokenizer")
+    source = make_model(tmp_path, tok, "sft", "5f75f75f75f7", {"prepare_data": "d0"}, seed=3)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = 6
+    (source / "config.json").unlink()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
+    for i in (2, 3):  # an identity block in the middle, away from where the evenly spaced choice drops
+        model.model.layers[i].self_attn.o_proj.weight.data.zero_()
+        model.model.layers[i].mlp.down_proj.weight.data.zero_()
+    model.save_pretrained(source)
+    calibration = _chats(tmp_path / "calibration.jsonl")
+
+    out = prune(source, tmp_path / "angular", 4, select="angular", calibration=calibration)
+    record = json.loads((out / SOURCE_FILE).read_text())
+    assert record["layers"] == [0, 1, 4, 5] and record["select"] == "angular"
+    assert len(record["block_distances"]) == 4 and record["block_distances"][2] < 1e-6 < min(
+        d for i, d in enumerate(record["block_distances"]) if i != 2)
+    assert prune(source, tmp_path / "even", 4)  # the evenly spaced choice keeps an identity layer
+    assert json.loads((tmp_path / "even" / SOURCE_FILE).read_text())["layers"] == [0, 2, 3, 5]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no rows"),
+    ('{"messages": []}\n', "calibration.jsonl:1: a row needs `messages`"),
+    ('{"text": "fine"}\nnot json\n', "calibration.jsonl:2: not JSON"),
+])
+def test_a_bad_calibration_file_names_its_line(tmp_path, capsys, content, message):
+    (tmp_path / "calibration.jsonl").write_text(content)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    argv = [str(tmp_path / "model"), "--layers", "2", "--select", "angular", "--calibration",
+            str(tmp_path / "calibration.jsonl"), "--out", str(tmp_path / "out")]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
