@@ -13,8 +13,9 @@ Which layers: `--select even` keeps evenly spaced ones, the first and the last a
 `--select angular` drops one contiguous block, the one whose input and output hidden states are
 closest in angle on calibration text (Gromov et al., "The Unreasonable Ineffectiveness of the Deeper
 Layers", 2024): the block the model changes its representation least across, the last layer always
-kept. On SmolLM2-135M-Instruct, keeping 20 of 30 layers, the angular choice's next-token KL from the
-full model is half the evenly spaced one's (docs/smollm2.md), a better start for distillation.
+kept. With `--calibration` (either selection) the record also holds `calibration_kl`, the mean
+next-token KL from the source to the pruned model on those rows: how far the student starts from
+its teacher (docs/smollm2.md compares the two selections on SmolLM2).
 """
 
 from __future__ import annotations
@@ -88,13 +89,21 @@ def calibration_texts(path: Path, limit: int) -> list[list[dict[str, Any]]] | li
     return rows
 
 
-def block_distances(source: Path, texts: list[Any], drop: int) -> list[float]:
+def calibration_ids(tokenizer: Tokenizer, texts: list[Any]) -> list[torch.Tensor]:
+    """Each row's token ids, a chat rendered with the folder's chat template."""
+    return [torch.tensor([tokenizer.encode(tokenizer.apply_chat_template(text) if isinstance(text, list) else text)])
+            for text in texts]
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.blocks() if isinstance(model, HFCausalLM) else model.model.layers.values())
+
+
+def block_distances(model: nn.Module, rows: list[torch.Tensor], drop: int) -> list[float]:
     """Mean angular distance (arccos of the cosine, over pi) between the hidden states entering layer
-    `l` and layer `l + drop`, over every token of `texts`, for each start `l` with `l + drop` before the
+    `l` and layer `l + drop`, over every token of `rows`, for each start `l` with `l + drop` before the
     last layer."""
-    model = load_hf_model(source, backend="auto").eval()
-    tokenizer = Tokenizer(source)
-    blocks = list(model.blocks() if isinstance(model, HFCausalLM) else model.model.layers.values())
+    blocks = decoder_blocks(model)
     if not 1 <= drop < len(blocks):
         raise CheckpointError(f"--select angular drops a block of 1 to {len(blocks) - 1} layers, not {drop}")
     entering: list[torch.Tensor] = []
@@ -104,22 +113,30 @@ def block_distances(source: Path, texts: list[Any], drop: int) -> list[float]:
 
     handles = [block.register_forward_pre_hook(keep_input, with_kwargs=True) for block in blocks]
     sums = torch.zeros(len(blocks) - drop, dtype=torch.float64)
-    tokens = 0
     try:
         with torch.no_grad():
-            for text in texts:
-                rendered = tokenizer.apply_chat_template(text) if isinstance(text, list) else text
-                ids = torch.tensor([tokenizer.encode(rendered)])
+            for ids in rows:
                 entering.clear()
                 model(ids)
                 states = torch.stack(entering)[:, 0].double()  # [layers, tokens, hidden]
                 cosine = torch.nn.functional.cosine_similarity(states[:-drop], states[drop:], dim=-1)
                 sums += (torch.arccos(cosine.clamp(-1, 1)) / math.pi).sum(-1)
-                tokens += ids.shape[1]
     finally:
         for handle in handles:
             handle.remove()
-    return (sums / tokens).tolist()
+    return (sums / sum(ids.shape[1] for ids in rows)).tolist()
+
+
+def next_token_kl(source: nn.Module, pruned: nn.Module, rows: list[torch.Tensor]) -> float:
+    """Mean KL(source || pruned) of the next-token distributions over every token of `rows`: how far
+    the student starts from its teacher, whichever layers were kept."""
+    total = 0.0
+    with torch.no_grad():
+        for ids in rows:
+            p = source.logits(source(ids)).double().log_softmax(-1)
+            q = pruned.logits(pruned(ids)).double().log_softmax(-1)
+            total += (p.exp() * (p - q)).sum().item()
+    return total / sum(ids.shape[1] for ids in rows)
 
 
 def angular_layers(distances: list[float], total: int, drop: int) -> list[int]:
@@ -136,15 +153,20 @@ def prune(source: Path, out: Path, keep: int, select: str = "even", calibration:
     total = int(config["num_hidden_layers"])
     layers = kept_layers(total, keep)
     selection: dict[str, Any] = {"select": select}
-    if select == "angular":
-        if calibration is None:
-            raise CheckpointError("--select angular needs --calibration: a JSONL file of `messages` or `text` rows")
-        distances = block_distances(source, calibration_texts(calibration, calibration_rows), total - keep)
-        layers = angular_layers(distances, total, total - keep)
-        selection.update(calibration=str(calibration), calibration_sha256=file_sha256(Path(calibration)),
-                         block_distances=[round(d, 6) for d in distances])
-    elif select != "even":
+    if select not in SELECTIONS:
         raise CheckpointError(f"--select must be one of {', '.join(SELECTIONS)}, got {select!r}")
+    if select == "angular" and calibration is None:
+        raise CheckpointError("--select angular needs --calibration: a JSONL file of `messages` or `text` rows")
+    model = rows = None
+    if calibration is not None:
+        texts = calibration_texts(calibration, calibration_rows)
+        model = load_hf_model(source, backend="auto").eval()
+        rows = calibration_ids(Tokenizer(source), texts)
+        selection.update(calibration=str(calibration), calibration_sha256=file_sha256(Path(calibration)))
+    if select == "angular":
+        distances = block_distances(model, rows, total - keep)
+        layers = angular_layers(distances, total, total - keep)
+        selection["block_distances"] = [round(d, 6) for d in distances]
     renumber = {old: new for new, old in enumerate(layers)}
     files = weight_files(source)
     state = {}
@@ -169,6 +191,8 @@ def prune(source: Path, out: Path, keep: int, select: str = "even", calibration:
         for path in sorted(source.iterdir()):  # tokenizer, chat template, where the weights came from
             if path.is_file() and not path.name.endswith(WEIGHTS) and path.name not in NOT_COPIED:
                 shutil.copy2(path, tmp / path.name)
+        if model is not None:  # the student's distance from its source, for comparing selections
+            record["calibration_kl"] = round(next_token_kl(model, load_hf_model(tmp, backend="auto").eval(), rows), 6)
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return Path(out)
 
@@ -179,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, required=True, help="decoder layers to keep")
     parser.add_argument("--select", choices=SELECTIONS, default="even",
                         help="even: evenly spaced layers; angular: drop the block that changes the hidden states least")
-    parser.add_argument("--calibration", type=Path, help="--select angular: JSONL rows of `messages` or `text`")
+    parser.add_argument("--calibration", type=Path, help="JSONL rows of `messages` or `text`: what --select angular measures on; "
+                        "either selection then records the pruned model's KL from the source on them")
     parser.add_argument("--calibration-rows", type=int, default=64, help="how many calibration rows to read")
     parser.add_argument("--out", type=Path, required=True, help="the HF folder to write")
     args = parser.parse_args(argv)

@@ -90,8 +90,9 @@ def test_angular_selection_drops_the_layers_that_pass_their_input_through(tmp_pa
     assert record["layers"] == [0, 1, 4, 5] and record["select"] == "angular"
     assert len(record["block_distances"]) == 4 and record["block_distances"][2] < 1e-6 < min(
         d for i, d in enumerate(record["block_distances"]) if i != 2)
-    assert prune(source, tmp_path / "even", 4)  # the evenly spaced choice keeps an identity layer
-    assert json.loads((tmp_path / "even" / SOURCE_FILE).read_text())["layers"] == [0, 2, 3, 5]
+    assert record["calibration_kl"] < 1e-9  # without the identity block, the same next-token distributions
+    even = json.loads((prune(source, tmp_path / "even", 4, calibration=calibration) / SOURCE_FILE).read_text())
+    assert even["layers"] == [0, 2, 3, 5] and even["calibration_kl"] > 1e-4  # it keeps the identity layers
 
 
 @pytest.mark.parametrize("content, message", [
