@@ -264,16 +264,17 @@ def train_grpo(start: Path, data_dir: Path, reward_dir: Path, section: dict[str,
     return _train(trainer, out)
 
 
-def differences(cfg: dict[str, Any]) -> list[str]:
-    """What posttrain's run used that this TRL run does not do alike."""
+def differences(cfg: dict[str, Any], stages: Sequence[str]) -> list[str]:
+    """What posttrain's run used that this TRL run of `stages` does not do alike (a stage's config holds
+    only the sections it reads: a DPO output's has no `grpo`)."""
     out = []
-    if cfg["grpo"].get("dynamic_sampling"):
+    if "grpo" in stages and cfg["grpo"].get("dynamic_sampling"):
         out.append("grpo.dynamic_sampling: posttrain refills groups whose samples all score alike "
                    f"(up to {cfg['grpo']['max_resamples']} resamples); TRL's GRPOTrainer has no such option, so "
                    "its flat groups carry no gradient")
-    if cfg["grpo"]["advantage"] != "grpo":
+    if "grpo" in stages and cfg["grpo"]["advantage"] != "grpo":
         out.append(f"grpo.advantage {cfg['grpo']['advantage']}: TRL's side uses group-normalized (GRPO) advantages")
-    if cfg["dpo"].get("chosen_nll_weight"):
+    if "dpo" in stages and cfg["dpo"].get("chosen_nll_weight"):
         out.append("the chosen-NLL term: posttrain averages it per sequence, TRL's `sft` loss per token of the batch")
     return out
 
@@ -312,7 +313,7 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
         raise SystemExit(f"model.policy {cfg['model']['policy']!r} is a preset; TRL needs a model folder")
     policy = resolve_model_source(cfg["model"]["policy"])  # relative to the workflow's directory, as the run read it
     previous = read_json_if(out / "quality.json")
-    result: dict[str, Any] = {"run": str(run), "seed": seed, "policy": str(policy), "differences": differences(cfg),
+    result: dict[str, Any] = {"run": str(run), "seed": seed, "policy": str(policy), "differences": differences(cfg, stages),
                               "environment": environment(), "stages": {}}
     starts = {"sft": policy, "dpo": out / "sft", "grpo": out / "dpo"}
     trainers: dict[str, Callable[[Path, Path], list[float]]] = {

@@ -91,3 +91,13 @@ def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
     assert "| dpo | trl | 0.500 ± 0.000 | 0.450 ± 0.000 | – | 0.200 ± 0.000 | 0.900 ± 0.000 | 4.0 ± 0.0 |" in out
     assert "seeds 1, 2" in out and "- a difference" in out
     assert "first 10 steps (any seed): sft 0.0200, dpo 0.0200, grpo 0.0200." in out
+
+
+def test_differences_name_only_the_compared_stages():
+    """A DPO output's config has no `grpo` section: comparing SFT and DPO alone must not read it."""
+    dpo_output = {"dpo": {"chosen_nll_weight": 1.0}}
+    assert quality.differences(dpo_output, ["sft", "dpo"]) == [
+        "the chosen-NLL term: posttrain averages it per sequence, TRL's `sft` loss per token of the batch"]
+    grpo_output = {**dpo_output, "grpo": {"dynamic_sampling": True, "max_resamples": 3, "advantage": "rloo"}}
+    found = quality.differences(grpo_output, ["sft", "dpo", "grpo"])
+    assert len(found) == 3 and found[0].startswith("grpo.dynamic_sampling") and "rloo" in found[1]
