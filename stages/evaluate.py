@@ -3,7 +3,8 @@
     python stages/evaluate.py --config RESOLVED.json --data DATA_DIR [--model MODEL_DIR] --out DIR [--reference DIR]
 
 Without `--model` it evaluates stage zero (`base`): `model.policy` as SFT starts from it (the
-folder's weights, or a preset's seeded random init sized to the data's tokenizer).
+folder's weights, or a preset's seeded random init sized to the data's tokenizer). The workflow scores
+the student before distillation the same way, with a config whose `model.policy` is `model.student`.
 
 On the first `eval.n_prompts` rows of the data's `eval` split (problems never trained on):
 - greedy completions -> `accuracy` (pass@1 of greedy decoding), `reward`, `response_len`;

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from posttrain.utils.provenance import write_provenance
-from posttrain.workflow.layout import BASE
+from posttrain.workflow.layout import BASE, STUDENT
 from posttrain.workflow.plan import MODEL_STAGES, Job, Plan
 from posttrain.workflow.views import write_plan_files
 
@@ -25,7 +25,8 @@ beta\t1\t0.2\tdpo
 BETA_GROUP = 'distill.teacher_stage="dpo";dpo.beta=0.2'
 
 
-RANK = {BASE: 0, **{stage: i + 1 for i, stage in enumerate(MODEL_STAGES)}}  # base: stage zero
+# base: stage zero; the student before distillation scores between the base and the SFT model
+RANK = {BASE: 0, STUDENT: 0.5, **{stage: i + 1 for i, stage in enumerate(MODEL_STAGES)}}
 
 
 def accuracy(stage: str, seed: int, beta: float | None) -> float:
@@ -53,8 +54,8 @@ def _records(stage: str, seed: int) -> list[dict]:
     return []
 
 
-def _eval_metrics(job: Job) -> dict:
-    stage = next((s for s in job.resolved["upstream"] if s in MODEL_STAGES), BASE)
+def _eval_metrics(job: Job, zero: str) -> dict:
+    stage = next((s for s in job.resolved["upstream"] if s in MODEL_STAGES), zero)
     seed, beta = job.resolved["seed"], job.resolved.get("dpo", {}).get("beta")
     return {"stage": stage, "model_key": job.resolved["upstream"].get(stage), "n_prompts": 16,
             "accuracy": accuracy(stage, seed, beta), "pass@1": 0.5, "pass@2": 0.6 + 0.01 * seed,
@@ -65,6 +66,7 @@ def _eval_metrics(job: Job) -> dict:
 def write_outputs(plan: Plan) -> None:
     """Every planned job's output folder, after its resolved config (so none looks older than its config)."""
     write_plan_files(plan.results, plan.files())
+    students = {v.evals[STUDENT].key for v in plan.variants.values() if STUDENT in v.evals}
     for jobs in plan.jobs.values():
         for job in jobs.values():
             folder = Path(job.path)
@@ -74,4 +76,4 @@ def write_outputs(plan: Plan) -> None:
             if records:
                 (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
             if job.stage == "evaluate":
-                (folder / "metrics.json").write_text(json.dumps(_eval_metrics(job)))
+                (folder / "metrics.json").write_text(json.dumps(_eval_metrics(job, STUDENT if job.key in students else BASE)))

@@ -25,7 +25,9 @@ STAGE_DIRS = {
 MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, in pipeline order; each is evaluated
 # Stage zero: `model.policy` as every stage starts from it, evaluated (with `eval.base`) but never written.
 BASE = "base"
-ORDER = (BASE, *STAGE_DIRS)
+# `model.student` as distillation starts from it, evaluated (with `eval.base`) but never written.
+STUDENT = "student"
+ORDER = (BASE, *(name for stage in STAGE_DIRS for name in ((STUDENT, stage) if stage == "distill" else (stage,))))
 
 
 def pipeline_order(stages: Iterable[str]) -> list[str]:

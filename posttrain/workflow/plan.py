@@ -28,7 +28,7 @@ from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
 from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs, without_unread_policy
-from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, pipeline_order
+from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, STUDENT, pipeline_order
 from posttrain.workflow.model_names import preset_names
 
 __all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
@@ -150,13 +150,17 @@ class VariantPlan:
     def previous(self) -> dict[str, str | None]:
         """Evaluated stage -> the one its model started from: what the report's deltas compare to.
 
-        The first model stage starts from the base model (None unless `eval.base` evaluates it); distill from its teacher.
+        The first model stage starts from the base model (None unless `eval.base` evaluates it); distill from the
+        student (`eval.base` evaluates it before distillation), else the teacher it learns from.
         """
         start = BASE if BASE in self.evals else None
         inputs = {stage: job.inputs.values() for stage, job in self.stages.items() if stage in MODEL_STAGES}
         previous = {stage: next((job.stage for job in jobs if job.stage in MODEL_STAGES), start)
                     for stage, jobs in inputs.items()}
-        return {BASE: None, **previous} if start else previous
+        if STUDENT in self.evals:
+            previous["distill"] = STUDENT
+        starts = {BASE: None, **({STUDENT: None} if STUDENT in self.evals else {})}
+        return {**starts, **previous} if start else previous
 
     def manifest(self) -> dict[str, Any]:
         """The human view of the variant (results/variants/<name>/manifest.json)."""
@@ -232,7 +236,12 @@ class Plan:
                 if not cfg["environment"]["fn"]:  # episodes: the data's prompts (no single-turn pass rates)
                     stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
             models[stage] = stages[stage] = previous = self._add(stage, cfg, inputs)
-        evals = {BASE: self._add("evaluate", cfg, {"data": data})} if cfg["eval"]["base"] else {}
+        evals: dict[str, Job] = {}
+        if cfg["eval"]["base"]:
+            evals[BASE] = self._add("evaluate", cfg, {"data": data})
+            if "distill" in models:  # the student before distillation: stage zero of a lineage that starts from it
+                student = {**cfg, "model": {**cfg["model"], "policy": cfg["model"]["student"]}}
+                evals[STUDENT] = self._add("evaluate", student, {"data": data})
         evals.update({stage: self._add("evaluate", cfg, {"data": data, "model": job}) for stage, job in models.items()})
         exported = cfg["export"]["stage"] or cfg["pipeline"][-1]  # preflight: a listed stage
         export = self._add("export", cfg, {"model": models[exported], "eval": evals[exported]})  # its card quotes the eval

@@ -113,7 +113,7 @@ def test_effects_aggregate_seeds_and_take_deltas_from_the_previous_stage(out):
     assert set(effects.metric) == {"accuracy", "pass@1", "pass@2", "reward", "nll", "pref_acc"}
 
 
-def test_the_base_model_is_stage_zero_of_the_summary_and_the_effects(tmp_path):
+def test_the_base_model_and_the_student_are_stage_zeros_of_the_summary_and_the_effects(tmp_path):
     plan = build_plan(load_config(REPO / "config" / "config.yaml", overrides={
         "results": str(tmp_path / "results"), "ablations": None, "eval": {"base": True}}))
     write_outputs(plan)
@@ -121,7 +121,7 @@ def test_the_base_model_is_stage_zero_of_the_summary_and_the_effects(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         run_stage("report", ["--config", plan.report_config_path, "--out", out], mp)
     table = read_summary(out / "summary.tsv")
-    assert list(table.stage) == ["base", *MODEL_STAGES]
+    assert list(table.stage) == ["base", "sft", "dpo", "grpo", "student", "distill"]
     base = table.iloc[0]
     assert base.accuracy == pytest.approx(accuracy("base", 1234, None), abs=TSV) and base.seed == 1234
     assert pd.isna(base.previous) and pd.isna(base.key) and pd.isna(base.train_steps) and pd.isna(base.train_wall_time_s)
@@ -130,6 +130,10 @@ def test_the_base_model_is_stage_zero_of_the_summary_and_the_effects(tmp_path):
     sft = effect(effects, "default", "sft", "accuracy")
     assert sft.previous == "base"
     assert sft.delta_mean == pytest.approx(accuracy("sft", 1234, None) - accuracy("base", 1234, None), abs=TSV)
+    # Distillation's change is from the student it started from (the teacher's ratio is the docs' to quote).
+    student, distill = table[table.stage == "student"].iloc[0], effect(effects, "default", "distill", "accuracy")
+    assert pd.isna(student.previous) and pd.isna(student.key) and distill.previous == "student"
+    assert distill.delta_mean == pytest.approx(accuracy("distill", 1234, None) - accuracy("student", 1234, None), abs=TSV)
 
 
 def test_effects_of_a_summary_table_without_files():

@@ -208,14 +208,20 @@ def test_manifest_names_each_models_previous_stage():
     assert taught_by_dpo.previous()["distill"] == "dpo"
 
 
-def test_eval_base_adds_one_eval_of_the_policy_before_sft():
+def test_eval_base_evaluates_the_policy_before_sft_and_the_student_before_distillation():
     without, plan = build_plan(cfg_with()), build_plan(cfg_with(eval={"base": True}))
     default = plan.variants["default"]
-    base = default.evals["base"]
+    base, student = default.evals["base"], default.evals["student"]
     assert list(base.inputs) == ["data"] and base.resolved["model"]["policy"] == "tiny"
-    assert len(plan.jobs["evaluate"]) == len(without.jobs["evaluate"]) + 1
-    assert default.previous() == {"base": None, "sft": "base", "dpo": "sft", "grpo": "dpo", "distill": "grpo"}
+    # The student is evaluated as the stage zero of its own lineage: the policy it is scored as is model.student.
+    assert list(student.inputs) == ["data"] and student.resolved["model"]["policy"] == "tiny-student"
+    assert student.key != base.key
+    assert len(plan.jobs["evaluate"]) == len(without.jobs["evaluate"]) + 2
+    assert default.previous() == {"base": None, "student": None, "sft": "base", "dpo": "sft", "grpo": "dpo",
+                                  "distill": "student"}
     assert default.evals["sft"].key == without.variants["default"].evals["sft"].key  # eval.base enters no other key
+    no_distill = build_plan(cfg_with(eval={"base": True}, pipeline=["sft", "dpo"])).variants["default"]
+    assert "student" not in no_distill.evals and "student" not in no_distill.previous()
 
 
 def test_pipeline_order_is_the_dag_order():
