@@ -3,6 +3,7 @@ finished posttrain run, and posttrain's own `evaluate` stage scores both sides' 
 
     python benchmarks/peers/quality.py RESULTS/grpo/<key> --out RESULTS/peers/<variant>   # one variant (seed)
     python benchmarks/peers/quality.py RESULTS/dpo/<key> --stages sft,dpo --out ...       # the stages so far
+    python benchmarks/peers/quality.py --control RESULTS/grpo/<key2> --out RESULTS/peers/<variant>  # a posttrain control
     python benchmarks/peers/quality.py --table RESULTS/peers/seed1 RESULTS/peers/seed2    # the side-by-side table
 
 Run it from the workflow's directory: `model.policy` and verifier files are read relative to it, as the run read them.
@@ -21,7 +22,10 @@ sequentially):
   clip `clip_eps`, no KL, `max_new_tokens`, `temperature`.
 Every stage: the same steps, batch, AdamW (betas 0.9/0.999, eps 1e-8, weight decay) and learning-rate
 schedule (posttrain's `build_lr_scheduler`, handed to the trainer), clipping norm, float32 on CPU.
-What TRL lacks is listed in the output (`differences`): posttrain's `grpo.dynamic_sampling`, for one.
+What TRL lacks is listed in the output (`differences`): posttrain's `grpo.dynamic_sampling`, for one. A control
+(`--control`: a posttrain output of the same stage from the same data and starting model, with other settings
+of that stage, such as `grpo.dynamic_sampling: false`) joins the table as a side of its own, named by the
+settings it changes: it tells whether such a difference is what separates the two sides.
 
 Each TRL output folder gets a `posttrain.json` (stage, key `trl`, the run's config) so `evaluate` reads it as a
 stage output; DPO's preference accuracy is measured against TRL's own SFT model, as its reference was.
@@ -83,6 +87,54 @@ def evaluation_of(stage_dir: Path) -> tuple[Path, dict[str, Any]]:
                 raise SystemExit(f"{out}: the evaluation of {stage_dir} has not finished")
             return out, cfg
     raise SystemExit(f"{evals}: no evaluation of {stage_dir}; run the workflow's evaluate targets first")
+
+
+def posttrain_side(stage_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A posttrain stage output's held-out metrics, wall time and losses, and the config of its evaluation."""
+    from posttrain.utils.provenance import read_provenance
+
+    evaluation, eval_cfg = evaluation_of(stage_dir)
+    return {"metrics": _pick(json.loads((evaluation / "metrics.json").read_text())),
+            "wall_time_s": read_provenance(stage_dir)["wall_time_s"], "folder": str(stage_dir),
+            "train_loss": logged_losses(stage_dir)}, eval_cfg
+
+
+def flat_settings(section: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        if isinstance(value, dict):
+            out.update(flat_settings(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def add_control(control: Path, out: Path) -> dict[str, Any]:
+    """Adds to `out`'s comparison a posttrain run of one stage that differs from the compared run only in that
+    stage's own settings (same data, same starting model): a side named by those settings, to tell which of
+    them makes a posttrain/TRL gap."""
+    from posttrain.utils.provenance import read_provenance
+
+    result = read_json_if(out / "quality.json")
+    if not result:
+        raise SystemExit(f"{out / 'quality.json'}: missing; compare the run first")
+    record = read_provenance(control)
+    stage = record["stage"]
+    if stage not in result["stages"]:
+        raise SystemExit(f"{control}: a {stage} output; {out / 'quality.json'} compares {', '.join(result['stages'])}")
+    run = read_provenance(Path(result["stages"][stage]["posttrain"]["folder"]))
+    if record["upstream"] != run["upstream"]:
+        raise SystemExit(f"{control}: starts from {record['upstream']}, the compared {stage} from {run['upstream']}; "
+                         "a control must differ only in its own stage's settings")
+    ours, theirs = (flat_settings(cfg.get(stage, {}), f"{stage}.") for cfg in (record["config"], run["config"]))
+    changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if not changed:
+        raise SystemExit(f"{control}: its {stage} settings equal the compared run's; nothing to control for")
+    name = "posttrain, " + ", ".join(f"{k}={json.dumps(ours.get(k))}" for k in changed)
+    side, _ = posttrain_side(control)
+    result["stages"][stage].setdefault("controls", {})[name] = side
+    write_json(out / "quality.json", result)
+    return result
 
 
 # ----- TRL's side -----
@@ -323,11 +375,9 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
                                                cfg["reward"]["verifiers"], seed, dest),
     }
     for stage in [s for s in STAGES if s in folders]:
-        ours_eval, eval_cfg = evaluation_of(folders[stage])
-        ours = {"metrics": _pick(json.loads((ours_eval / "metrics.json").read_text())),
-                "wall_time_s": read_provenance(folders[stage])["wall_time_s"], "folder": str(folders[stage]),
-                "train_loss": logged_losses(folders[stage])}
-        row = {"posttrain": ours}
+        ours, eval_cfg = posttrain_side(folders[stage])
+        row = {"posttrain": ours, **({"controls": previous["stages"][stage]["controls"]}
+                                     if "controls" in previous.get("stages", {}).get(stage, {}) else {})}
         dest = out / stage
         if stage in stages:
             if not starts[stage].is_dir():
@@ -417,8 +467,11 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     head = ["stage", "side", "greedy accuracy", "pass@1", "pass@4", "NLL", "pref_acc", "minutes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--", ":--"] + ["--:"] * (len(head) - 2)) + "|"]
     for stage in STAGES:
-        for side in ("posttrain", "trl"):
-            rows = [r["stages"][stage][side] for r in results if side in r["stages"].get(stage, {})]
+        controls = sorted({name for r in results for name in r["stages"].get(stage, {}).get("controls", {})})
+        for side in ("posttrain", "trl", *controls):
+            rows = [r["stages"][stage].get(side) or r["stages"][stage].get("controls", {}).get(side)
+                    for r in results if stage in r["stages"]]
+            rows = [row for row in rows if row]
             if not rows:
                 continue
             values = [cell([row["metrics"][m] for row in rows]) for m in METRICS]
@@ -449,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="where TRL's folders, their evaluations and quality.json go")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help="TRL stages to run (each starts from the one before)")
+    parser.add_argument("--control", type=Path,
+                        help="with --out: add this posttrain stage output, which differs from the compared run only "
+                             "in its stage's settings, to the saved comparison as a side of its own")
     parser.add_argument("--table", type=Path, nargs="+",
                         help="print the markdown table of saved --out folders and exit")
     parser.add_argument("--update", type=Path,
@@ -466,6 +522,11 @@ def main(argv: list[str] | None = None) -> None:
             from posttrain.report.readme_table import replace_block
 
             args.update.write_text(replace_block(args.update.read_text(), table, str(args.update), name="quality"))
+        return
+    if args.control is not None:
+        if args.out is None:
+            parser.error("--control needs --out (the saved comparison it joins)")
+        print(json.dumps(add_control(args.control.resolve(), args.out.resolve())["stages"], indent=2))
         return
     if args.run is None or args.out is None:
         parser.error("give a run's output folder and --out (or --table)")

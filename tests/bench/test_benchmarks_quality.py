@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,39 @@ def test_differences_name_only_the_compared_stages():
     grpo_output = {**dpo_output, "grpo": {"dynamic_sampling": True, "max_resamples": 3, "advantage": "rloo"}}
     found = quality.differences(grpo_output, ["sft", "dpo", "grpo"])
     assert len(found) == 3 and found[0].startswith("grpo.dynamic_sampling") and "rloo" in found[1]
+
+
+def _stage_output(results: Path, key: str, grpo: dict, upstream: dict, accuracy: float) -> Path:
+    """A GRPO output and its evaluation, as the workflow lays them out (`evaluation_of` finds it by upstream)."""
+    from posttrain.utils.provenance import write_provenance
+
+    folder = results / "grpo" / key
+    folder.mkdir(parents=True)
+    write_provenance(folder, {"key": key, "upstream": upstream, "seed": 1, "grpo": grpo}, "grpo", time.time() - 60, {})
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
+    evaluation = results / "eval" / f"e{key}"
+    evaluation.mkdir(parents=True)
+    (results / "eval" / f"e{key}.config.json").write_text(json.dumps({"upstream": {"grpo": key}}))
+    (evaluation / "metrics.json").write_text(json.dumps({"accuracy": accuracy, "pass@1": accuracy, "nll": 0.3}))
+    return folder
+
+
+def test_a_control_joins_the_comparison_as_a_side_named_by_its_own_settings(tmp_path, capsys):
+    upstream = {"prepare_data": "d", "dpo": "p", "reward": "r"}
+    run = _stage_output(tmp_path / "results", "run", {"dynamic_sampling": True, "lr": 1e-5}, upstream, 0.6)
+    control = _stage_output(tmp_path / "results", "ctl", {"dynamic_sampling": False, "lr": 1e-5}, upstream, 0.55)
+    saved = _saved(tmp_path / "s1", 1, 0.6, 0.5)
+    result = json.loads((saved / "quality.json").read_text())
+    result["stages"]["grpo"]["posttrain"]["folder"] = str(run)
+    (saved / "quality.json").write_text(json.dumps(result))
+    quality.main(["--control", str(control), "--out", str(saved)])
+    side = json.loads((saved / "quality.json").read_text())["stages"]["grpo"]["controls"]
+    assert list(side) == ["posttrain, grpo.dynamic_sampling=false"]  # lr is the same: not in the name
+    assert side["posttrain, grpo.dynamic_sampling=false"]["metrics"]["accuracy"] == 0.55
+    capsys.readouterr()
+    quality.main(["--table", str(saved)])
+    assert "| grpo | posttrain, grpo.dynamic_sampling=false | 0.550 | 0.550 | – | 0.300 | – | 1.0 |" in capsys.readouterr().out
+    # A run that starts elsewhere (another DPO model) is no control of this one.
+    other = _stage_output(tmp_path / "results", "oth", {"dynamic_sampling": False}, {**upstream, "dpo": "q"}, 0.5)
+    with pytest.raises(SystemExit, match="a control must differ only in its own stage's settings"):
+        quality.main(["--control", str(other), "--out", str(saved)])
