@@ -418,15 +418,14 @@ def _pick(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    import platform
 
     import torch
     import transformers
     import trl
 
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.is_file() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
+
+    cpu, flags = cpu_model_and_flags()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -436,7 +435,9 @@ def environment() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "isa": sorted(f for f in ISA_FLAGS if f in flags), "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "commit": commit}
 
 
@@ -488,7 +489,11 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     seeds = ", ".join(str(r["seed"]) for r in results)
     env = results[0]["environment"]
     plural = "s" if len(results) > 1 else ""
-    lines += ["", f"*mean ± std over seed{plural} {seeds}; {env['cpu']}, {env['cores']} cores, torch {env['torch']}, "
+    isa = f" ({', '.join(env['isa'])})" if env.get("isa") else ""
+    usable = f", {env['cores_usable']} usable" if env.get("cores_usable", env["cores"]) != env["cores"] else ""
+    threads = f", {env['torch_threads']} torch thread(s) a process" if "torch_threads" in env else ""
+    lines += ["", f"*mean ± std over seed{plural} {seeds}; {env['cpu']}{isa}, {env['cores']} cores{usable}{threads}, "
+                  f"torch {env['torch']}, "
                   f"transformers {env['transformers']}, TRL {env['trl']}, commit {env['commit']}, {env['date'][:10]}; "
                   "made by `python benchmarks/peers/quality.py --table " +
                   " ".join(r.get("out", "") for r in results).strip() + "`.*"]
