@@ -99,21 +99,12 @@ def posttrain_side(stage_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             "train_loss": logged_losses(stage_dir)}, eval_cfg
 
 
-def flat_settings(section: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in section.items():
-        if isinstance(value, dict):
-            out.update(flat_settings(value, f"{prefix}{name}."))
-        else:
-            out[f"{prefix}{name}"] = value
-    return out
-
-
 def add_control(control: Path, out: Path) -> dict[str, Any]:
     """Adds to `out`'s comparison a posttrain run of one stage that differs from the compared run only in that
     stage's own settings (same data, same starting model): a side named by those settings, to tell which of
     them makes a posttrain/TRL gap."""
     from posttrain.utils.provenance import read_provenance
+    from posttrain.workflow.overrides import dotted_leaves
 
     result = read_json_if(out / "quality.json")
     if not result:
@@ -126,7 +117,7 @@ def add_control(control: Path, out: Path) -> dict[str, Any]:
     if record["upstream"] != run["upstream"]:
         raise SystemExit(f"{control}: starts from {record['upstream']}, the compared {stage} from {run['upstream']}; "
                          "a control must differ only in its own stage's settings")
-    ours, theirs = (flat_settings(cfg.get(stage, {}), f"{stage}.") for cfg in (record["config"], run["config"]))
+    ours, theirs = (dict(dotted_leaves(cfg.get(stage, {}), stage)) for cfg in (record["config"], run["config"]))
     changed = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     if not changed:
         raise SystemExit(f"{control}: its {stage} settings equal the compared run's; nothing to control for")
@@ -376,8 +367,8 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
     }
     for stage in [s for s in STAGES if s in folders]:
         ours, eval_cfg = posttrain_side(folders[stage])
-        row = {"posttrain": ours, **({"controls": previous["stages"][stage]["controls"]}
-                                     if "controls" in previous.get("stages", {}).get(stage, {}) else {})}
+        saved = previous.get("stages", {}).get(stage, {})  # this stage's row from an earlier invocation
+        row = {"posttrain": ours, **({"controls": saved["controls"]} if "controls" in saved else {})}
         dest = out / stage
         if stage in stages:
             if not starts[stage].is_dir():
@@ -391,8 +382,8 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
                                out / "sft" if stage == "dpo" else None)
             row["trl"] = {"metrics": _pick(metrics), "wall_time_s": round(wall, 3), "folder": str(dest),
                           "train_loss": losses}
-        elif "trl" in previous.get("stages", {}).get(stage, {}):  # TRL's stage from an earlier invocation
-            row["trl"] = previous["stages"][stage]["trl"]
+        elif "trl" in saved:  # TRL's stage from an earlier invocation
+            row["trl"] = saved["trl"]
         result["stages"][stage] = row
         write_json(out / "quality.json", result)
     return result
@@ -418,7 +409,6 @@ def _pick(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-
     import torch
     import transformers
     import trl
@@ -454,6 +444,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 # ----- the table -----
 
+def sides(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A stage's compared runs by side name: posttrain, TRL and each control."""
+    return {**{side: row[side] for side in ("posttrain", "trl") if side in row}, **row.get("controls", {})}
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """Per stage and side: each metric's mean ± sample std over the variants (seeds), and wall time in minutes."""
     import statistics
@@ -468,11 +463,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     head = ["stage", "side", "greedy accuracy", "pass@1", "pass@4", "NLL", "pref_acc", "minutes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--", ":--"] + ["--:"] * (len(head) - 2)) + "|"]
     for stage in STAGES:
-        controls = sorted({name for r in results for name in r["stages"].get(stage, {}).get("controls", {})})
+        per_seed = [sides(r["stages"].get(stage, {})) for r in results]
+        controls = sorted({name for found in per_seed for name in found} - {"posttrain", "trl"})
         for side in ("posttrain", "trl", *controls):
-            rows = [r["stages"][stage].get(side) or r["stages"][stage].get("controls", {}).get(side)
-                    for r in results if stage in r["stages"]]
-            rows = [row for row in rows if row]
+            rows = [found[side] for found in per_seed if side in found]
             if not rows:
                 continue
             values = [cell([row["metrics"][m] for row in rows]) for m in METRICS]

@@ -38,10 +38,11 @@ def _fit(value: Any, node: Mapping[str, Any] | None, root: Mapping[str, Any]) ->
     return value
 
 
-def _leaves(value: Any, prefix: str) -> list[tuple[str, Any]]:
-    """(dotted key, value) of each leaf of a `--config` value: a section given sets only the keys it names."""
+def dotted_leaves(value: Any, prefix: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of each leaf of `value` under `prefix`: a `--config` section given sets only the keys it
+    names, and two configs' sections compare key by key."""
     if isinstance(value, dict) and value:
-        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{prefix}.{k}")]
+        return [leaf for k, v in value.items() for leaf in dotted_leaves(v, f"{prefix}.{k}")]
     return [(prefix, value)]
 
 
@@ -65,7 +66,7 @@ def apply_command_line(config: Mapping[str, Any], cli: Mapping[str, Any], schema
     for top, value in cli.items():
         if top == SET_KEY:
             continue
-        for key, leaf in _leaves(value, top):
+        for key, leaf in dotted_leaves(value, top):
             set_dotted(out, key, _fit(leaf, schema_at(key, schema), schema))
     assignments = dotted_assignments(str(cli[SET_KEY])) if cli.get(SET_KEY) is not None else {}
     problems = []

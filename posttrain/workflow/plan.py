@@ -159,8 +159,7 @@ class VariantPlan:
                     for stage, jobs in inputs.items()}
         if STUDENT in self.evals:
             previous["distill"] = STUDENT
-        starts = {BASE: None, **({STUDENT: None} if STUDENT in self.evals else {})}
-        return {**starts, **previous} if start else previous
+        return {**{zero: None for zero in (BASE, STUDENT) if zero in self.evals}, **previous}
 
     def manifest(self) -> dict[str, Any]:
         """The human view of the variant (results/variants/<name>/manifest.json)."""
