@@ -39,8 +39,9 @@ def _seeds(values: pd.Series) -> str:
     return ",".join(str(seed) for seed in sorted({int(v) for v in values.dropna()}))
 
 
-def effects_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """The `effects.tsv` rows of a summary table (posttrain.report.summary's columns)."""
+def model_changes(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per group, stage, evaluated model and metric: its seed, value and change from `previous`
+    (indexed by group, stage, eval_key, metric), before any aggregation over seeds."""
     metrics = effect_metrics(summary.columns)
     table = summary.assign(**{m: pd.to_numeric(summary[m]) for m in metrics})
     long = table.melt(id_vars=["variant", "group", "seed", "stage", "previous", "eval_key"], value_vars=metrics,
@@ -48,10 +49,15 @@ def effects_table(summary: pd.DataFrame) -> pd.DataFrame:
     before = long[["variant", "stage", "metric", "value"]].rename(columns={"stage": "previous", "value": "before"})
     long = long.merge(before, on=["variant", "previous", "metric"], how="left")
     long["delta"] = long["value"] - long["before"]
-    models = long.groupby(["group", "stage", "eval_key", "metric"], sort=False).agg(
+    return long.groupby(["group", "stage", "eval_key", "metric"], sort=False).agg(
         previous=("previous", "first"), seed=("seed", "first"), value=("value", "first"), delta=("delta", "first"),
         variants=("variant", ",".join))
-    out = models.groupby(["group", "stage", "metric"], sort=False).agg(
+
+
+def effects_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The `effects.tsv` rows of a summary table (posttrain.report.summary's columns)."""
+    metrics = effect_metrics(summary.columns)
+    out = model_changes(summary).groupby(["group", "stage", "metric"], sort=False).agg(
         previous=("previous", "first"), n=("value", "count"), mean=("value", "mean"), std=("value", "std"),
         min=("value", "min"), max=("value", "max"), delta_mean=("delta", "mean"), delta_std=("delta", "std"),
         seeds=("seed", _seeds), variants=("variants", ",".join)).reset_index()

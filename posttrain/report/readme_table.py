@@ -9,7 +9,9 @@ std). A line under it names the machine (`machine.json`: CPU model, ISA flags), 
 date, the commit and this command, since float rounding and so the numbers depend on them.
 `--update FILE` replaces what lies between the markers `<!-- results:begin -->` and
 `<!-- results:end -->` in FILE with the table and that line (`--block NAME`: `<!-- NAME:begin -->`,
-for a second table in one file). `--times` adds the minutes each stage took (`stage_times.tsv`).
+for a second table in one file). `--times` adds the minutes each stage took (`stage_times.tsv`);
+`--per-seed` adds each seed's greedy accuracy and pass@1 with their change, since a mean over seeds
+can hide a seed where a stage did harm.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.report.effects import effect_metrics, effects_table
+from posttrain.report.effects import effect_metrics, effects_table, model_changes
 from posttrain.report.stage_times import markdown_times
 from posttrain.report.summary import read_summary
 from posttrain.utils.io import read_json
@@ -33,6 +35,7 @@ from posttrain.workflow.layout import pipeline_order
 BLOCK = "results"
 LABELS = {"accuracy": "greedy accuracy", "nll": "NLL"}
 CHANGE = "change from previous stage"
+SEED_METRICS = ("accuracy", "pass@1")
 
 
 def table_metrics(summary: pd.DataFrame) -> list[str]:
@@ -62,6 +65,14 @@ def _row_groups(summary: pd.DataFrame) -> list[tuple[str, str]]:
     return rows
 
 
+def _labelled_rows(summary: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """`_row_groups` with each row's label: the stage, and the group where the stage has several rows."""
+    rows = _row_groups(summary)
+    per_stage = pd.Series([stage for stage, _ in rows]).value_counts()
+    return [(stage, group, (stage if per_stage[stage] == 1 else f"{stage}, {group}").replace("|", "\\|"))
+            for stage, group in rows]
+
+
 def _label(metric: str) -> str:
     return LABELS.get(metric, metric)
 
@@ -70,11 +81,9 @@ def markdown_table(summary: pd.DataFrame) -> str:
     """The table (markdown, pipe format) of a summary table."""
     metrics = table_metrics(summary)
     effects = effects_table(summary).set_index(["stage", "group", "metric"])
-    rows = _row_groups(summary)
-    per_stage = pd.Series([stage for stage, _ in rows]).value_counts()
     lines = []
-    for stage, group in rows:
-        line = {"stage": stage if per_stage[stage] == 1 else f"{stage}, {group}"}
+    for stage, group, label in _labelled_rows(summary):
+        line = {"stage": label}
         changes = []
         for metric in metrics:
             e = effects.loc[(stage, group, metric)] if (stage, group, metric) in effects.index else None
@@ -84,9 +93,33 @@ def markdown_table(summary: pd.DataFrame) -> str:
         line[CHANGE] = "; ".join(changes) or "–"
         lines.append(line)
     table = pd.DataFrame(lines)
-    table["stage"] = table["stage"].str.replace("|", "\\|")
     align = ["left", *["right"] * len(metrics), "left"]
     return table.to_markdown(index=False, tablefmt="pipe", colalign=align, disable_numparse=True)
+
+
+def seed_table(summary: pd.DataFrame) -> str:
+    """Each seed's value and change of greedy accuracy and pass@1, one column per seed, the rows of
+    `markdown_table`."""
+    metrics = [m for m in SEED_METRICS if m in summary.columns]
+    models = model_changes(summary).reset_index()
+    models = models[models["metric"].isin(metrics) & models["seed"].notna()]
+    seeds = sorted({int(s) for s in models["seed"]})
+    lines = []
+    for stage, group, label in _labelled_rows(summary):
+        line = {"stage": label}
+        here = models[(models["stage"] == stage) & (models["group"] == group)]
+        for seed in seeds:
+            cells = []
+            for metric in metrics:
+                found = here[(here["seed"] == seed) & (here["metric"] == metric)]
+                if len(found) and not math.isnan(found["value"].iloc[0]):
+                    value, delta = found["value"].iloc[0], found["delta"].iloc[0]
+                    change = "" if math.isnan(delta) else f" ({delta:+.3f})"
+                    cells.append(f"{_label(metric)} {value:.3f}{change}")
+            line[f"seed {seed}"] = "; ".join(cells) or "–"
+        lines.append(line)
+    table = pd.DataFrame(lines)
+    return table.to_markdown(index=False, tablefmt="pipe", disable_numparse=True)
 
 
 def _flags(isa: Mapping[str, bool]) -> str:
@@ -139,12 +172,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--update", type=Path, metavar="FILE", help="write the table between FILE's results markers")
     parser.add_argument("--block", default=BLOCK, metavar="NAME", help="the markers' name (default: %(default)s)")
     parser.add_argument("--times", action="store_true", help="add each stage's wall time (stage_times.tsv)")
+    parser.add_argument("--per-seed", action="store_true",
+                        help="add each seed's greedy accuracy and pass@1 with their change from the previous stage")
     args = parser.parse_args(argv)
     words = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "-m", "posttrain.report.readme_table", *words])
     summary = read_summary(args.report / "summary.tsv")
     machine = read_machine(args.report / "machine.json")
     block = markdown_table(summary)
+    if args.per_seed:
+        block += f"\n\nPer seed (value, change from the previous stage in brackets):\n\n{seed_table(summary)}"
     if args.times:
         times = pd.read_csv(args.report / "stage_times.tsv", sep="\t", dtype={"key": str, "variants": str})
         groups = dict(zip(summary["variant"], summary["group"]))

@@ -221,6 +221,22 @@ def test_readme_table_has_one_row_for_a_stage_the_groups_share():
     assert "greedy accuracy -0.100" in table[3] and "greedy accuracy +0.200" in table[5]
 
 
+def test_per_seed_table_shows_each_seeds_value_and_change_where_the_mean_hides_a_loss():
+    summary = pd.DataFrame([
+        {"variant": f"s{seed}", "group": "default", "seed": seed, "stage": stage, "previous": previous,
+         "eval_key": f"{stage}{seed}", "accuracy": acc, "pass@1": acc / 2}
+        for seed, rl in ((1, 0.9), (2, 0.3))  # grpo: +0.4 in seed 1, -0.2 in seed 2: +0.1 on average
+        for stage, previous, acc in (("sft", None, 0.5), ("grpo", "sft", rl))])
+    mean_row = readme_table.markdown_table(summary).splitlines()[3]
+    assert "greedy accuracy +0.100" in mean_row
+    header, _align, sft, grpo = [[c.strip() for c in line.strip("|").split("|")]
+                                 for line in readme_table.seed_table(summary).splitlines()]
+    assert header == ["stage", "seed 1", "seed 2"]
+    assert sft == ["sft", "greedy accuracy 0.500; pass@1 0.250", "greedy accuracy 0.500; pass@1 0.250"]
+    assert grpo == ["grpo", "greedy accuracy 0.900 (+0.400); pass@1 0.450 (+0.200)",
+                    "greedy accuracy 0.300 (-0.200); pass@1 0.150 (-0.100)"]
+
+
 def test_readme_table_update_replaces_only_the_marked_block(out, tmp_path):
     readme = tmp_path / "README.md"
     begin, end = readme_table.markers()
@@ -240,9 +256,12 @@ def test_a_named_block_takes_the_table_with_each_stages_wall_time(out, tmp_path)
     readme = tmp_path / "README.md"
     results, other = readme_table.markers(), readme_table.markers("smol")
     readme.write_text(f"{results[0]}\nkept\n{results[1]}\n{other[0]}\n{other[1]}\n")
-    readme_table.main([str(out), "--update", str(readme), "--block", "smol", "--times"])
+    readme_table.main([str(out), "--update", str(readme), "--block", "smol", "--times", "--per-seed"])
     text = readme.read_text()
     assert f"{results[0]}\nkept\n{results[1]}" in text
+    seeds = text[text.index("Per seed"):text.index("Wall time")].splitlines()
+    assert seeds[2].startswith("| stage") and "| seed 1" in seeds[2] and "| seed 2" in seeds[2]
+    assert f"greedy accuracy {accuracy('sft', 1, None):.3f}; pass@1" in seeds[4]
     rows = [[cell.strip() for cell in line.split("|")[1:4]]
             for line in text[text.index("Wall time"):].splitlines() if line.startswith("| ")]
     # A stage whose outputs no two variant groups share gets a row per group, as in the results table.
