@@ -94,6 +94,10 @@ def test_missing_model_and_data_sources_are_named(tmp_path, monkeypatch):
         data={"sources": [{"path": str(empty.mkdir() or empty), "kind": "sft"}]})
     assert f"data.sources[0].path: {tmp_path / 'gone'}: no such file or folder" in _problems(
         data={"sources": [{"path": str(tmp_path / "gone"), "kind": "sft"}]})
+    monkeypatch.chdir(tmp_path)  # a relative `folder/name` beside that folder is a path, not a hub id to fetch
+    (tmp_path / "models").mkdir()
+    assert ("model.student: models/pruned: no such folder (models/ is a folder here, so this names a path in it, "
+            "not a hub id)") in _problems(model={"student": "models/pruned"})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     text = _problems(model={"policy": "Qwen/Qwen3-0.6B"})
