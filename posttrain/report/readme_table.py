@@ -97,6 +97,10 @@ def markdown_table(summary: pd.DataFrame) -> str:
     return table.to_markdown(index=False, tablefmt="pipe", colalign=align, disable_numparse=True)
 
 
+def _change(delta: float) -> str:
+    return "" if math.isnan(delta) else f" ({delta:+.3f})"
+
+
 def seed_table(summary: pd.DataFrame) -> str:
     """Each seed's value and change of greedy accuracy and pass@1, one column per seed, the rows of
     `markdown_table`."""
@@ -107,15 +111,11 @@ def seed_table(summary: pd.DataFrame) -> str:
     lines = []
     for stage, group, label in _labelled_rows(summary):
         line = {"stage": label}
-        here = models[(models["stage"] == stage) & (models["group"] == group)]
+        here = models[(models["stage"] == stage) & (models["group"] == group) & models["value"].notna()]
+        found = {(int(r.seed), r.metric): (r.value, r.delta) for r in here.itertuples()}
         for seed in seeds:
-            cells = []
-            for metric in metrics:
-                found = here[(here["seed"] == seed) & (here["metric"] == metric)]
-                if len(found) and not math.isnan(found["value"].iloc[0]):
-                    value, delta = found["value"].iloc[0], found["delta"].iloc[0]
-                    change = "" if math.isnan(delta) else f" ({delta:+.3f})"
-                    cells.append(f"{_label(metric)} {value:.3f}{change}")
+            cells = [f"{_label(m)} {found[(seed, m)][0]:.3f}" + _change(found[(seed, m)][1])
+                     for m in metrics if (seed, m) in found]
             line[f"seed {seed}"] = "; ".join(cells) or "–"
         lines.append(line)
     table = pd.DataFrame(lines)

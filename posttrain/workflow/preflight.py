@@ -235,8 +235,8 @@ def model_source_problem(source: str, model: bool = True, backend: str = "auto")
         return _architecture_problem(source, path / "config.json", backend) if model else None
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         return f"{source}: no such folder"
-    owner = source.split("/")[0]
-    if "/" in source and Path(owner).is_dir():  # `models/x` beside a `models/` folder: a path, not a hub id
+    owner, slash, _ = source.partition("/")
+    if slash and Path(owner).is_dir():  # `models/x` beside a `models/` folder: a path, not a hub id
         return f"{source}: no such folder ({owner}/ is a folder here, so this names a path in it, not a hub id)"
     config = _hub_file(source, "config.json")
     if "/" not in source and config is None and _hub_file(source, "tokenizer.json") is None:
