@@ -507,8 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", type=Path, nargs="+",
                         help="print the markdown table of saved --out folders and exit")
     parser.add_argument("--update", type=Path,
-                        help="with --table: write it between <!-- quality:begin --> and <!-- quality:end --> "
-                             "in this file")
+                        help="with --table: write it between <!-- BLOCK:begin --> and <!-- BLOCK:end --> in this file")
+    parser.add_argument("--block", default="quality",
+                        help="with --update: the marked block's name, one per recipe compared (default: quality)")
     args = parser.parse_args(argv)
     if args.table:
         results = []
@@ -520,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.update:
             from posttrain.report.readme_table import replace_block
 
-            args.update.write_text(replace_block(args.update.read_text(), table, str(args.update), name="quality"))
+            args.update.write_text(replace_block(args.update.read_text(), table, str(args.update), name=args.block))
         return
     if args.control is not None:
         if args.out is None:

@@ -94,6 +94,17 @@ def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
     assert "first 10 steps (any seed): sft 0.0200, dpo 0.0200, grpo 0.0200." in out
 
 
+def test_update_rewrites_only_the_named_block(tmp_path, capsys):
+    one = _saved(tmp_path / "s1", 1, 0.6, 0.5)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- quality:begin -->\nkept\n<!-- quality:end -->\n<!-- quality-sort:begin -->\nold\n"
+                   "<!-- quality-sort:end -->\n")
+    quality.main(["--table", str(one), "--update", str(doc), "--block", "quality-sort"])
+    text = doc.read_text()
+    assert "kept" in text and "old" not in text
+    assert text.index("quality-sort:begin") < text.index("| sft | posttrain | 0.600 |") < text.index("quality-sort:end")
+
+
 def test_differences_name_only_the_compared_stages():
     """A DPO output's config has no `grpo` section: comparing SFT and DPO alone must not read it."""
     dpo_output = {"dpo": {"chosen_nll_weight": 1.0}}
