@@ -217,7 +217,8 @@ class Plan:
     def add_variant(self, variant: Variant) -> VariantPlan:
         """The variant's jobs: its `pipeline` of model stages in order, each from the model before it (the
         first from `model.policy`), before grpo the reward model (`reward_model.source: train`) and reward
-        scoring, both from grpo's starting model, an eval of every
+        scoring, both from grpo's starting model, before dpo with `dpo.pairs: on_policy` reward scoring of
+        dpo's starting model (its pairs), an eval of every
         model stage (and of the base with `eval.base`), the export of `export.stage` or the last stage."""
         cfg = variant.config
         data = self._add("prepare_data", cfg, {})
@@ -229,6 +230,9 @@ class Plan:
             if stage == "distill" and cfg["distill"]["teacher_stage"]:
                 start = models[cfg["distill"]["teacher_stage"]]  # preflight: listed before distill
             inputs = {"data": data, **({START_FLAGS[stage]: start} if start else {})}
+            if stage == "dpo" and cfg["dpo"]["pairs"] == "on_policy":  # pairs of samples of the model it starts from
+                inputs["pairs"] = self._add("reward", cfg, dict(inputs))
+                stages.setdefault("reward", inputs["pairs"])
             if stage == "grpo":  # its reward model and prompts come from the policy it starts from
                 if cfg["reward_model"]["source"] == "train":
                     stages["reward_model"] = inputs["reward_model"] = self._add("reward_model", cfg, dict(inputs))

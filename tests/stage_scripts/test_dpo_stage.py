@@ -181,18 +181,21 @@ def test_resume_after_kill_is_bitwise(sft, short_run, tmp_path):
 
 
 def test_on_policy_pairs_file(sft, tmp_path):
-    """dpo.pairs: on_policy trains on the reward stage's pairs file (prompt, chosen, rejected columns)."""
+    """dpo.pairs: on_policy trains on the pairs file (prompt, chosen, rejected columns) of the reward stage's
+    output folder, which the workflow passes."""
     data, sft_dir = sft
     rows = make_splits(DATA["tasks"], {"preference": 16}, seed=7)["preference"]
-    pairs = tmp_path / "pairs.parquet"
+    reward_dir = tmp_path / "reward"
+    reward_dir.mkdir()
+    pairs = reward_dir / "pairs.parquet"
     pd.DataFrame({"prompt": [r["prompt"] for r in rows], "chosen": [r["response"] for r in rows],
                   "rejected": [r["rejected_response"] for r in rows]}).to_parquet(pairs)
     cfg = dpo_config("dpo-on-policy", **{**SHORT, "steps": 2}, pairs="on_policy")
     missing = run_dpo(cfg, data, sft_dir, tmp_path / "no-pairs", check=False)
-    assert missing.returncode == 1 and "pass the reward stage's pairs file with --pairs" in missing.stderr
+    assert missing.returncode == 1 and "pass the reward stage's output folder (or its pairs file) with --pairs" in missing.stderr
 
     out = tmp_path / "dpo"
-    run_dpo(cfg, data, sft_dir, out, extra=("--pairs", str(pairs)))
+    run_dpo(cfg, data, sft_dir, out, extra=("--pairs", str(reward_dir)))
     steps = [r for r in metrics(out) if "loss" in r]
     assert len(steps) == 2 and steps[1]["loss"] != steps[0]["loss"]
     assert summary(out)["pref_pairs"] == 100

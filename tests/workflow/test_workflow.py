@@ -407,6 +407,16 @@ def test_distill_teacher_and_export_stage_follow_the_config():
     assert v.manifest()["export"]["stage"] == "grpo"
 
 
+def test_on_policy_dpo_trains_on_pairs_sampled_from_the_model_it_starts_from():
+    v = build_plan(cfg_with(dpo={"pairs": "on_policy"})).variants["default"]
+    dpo, pairs = v.stages["dpo"], v.stages["dpo"].inputs["pairs"]
+    assert pairs.stage == "reward" and pairs.inputs["model"] is dpo.inputs["model"] is v.stages["sft"]
+    assert dpo.resolved["upstream"]["reward"] == pairs.key
+    assert v.stages["grpo"].inputs["reward"].inputs["model"] is dpo  # grpo's prompts still come from its own start
+    offline = build_plan(cfg_with()).variants["default"].stages["dpo"]
+    assert "pairs" not in offline.inputs
+
+
 def job_counts(plan) -> dict[str, int]:
     return {stage: len(jobs) for stage, jobs in plan.jobs.items()}
 
