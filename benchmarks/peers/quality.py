@@ -250,6 +250,9 @@ def train_dpo(start: Path, data_dir: Path, section: dict[str, Any], seed: int, m
 
     if section["loss"] != "sigmoid" or section["reference"] != "precompute" or section["label_smoothing"]:
         raise SystemExit("this comparison maps dpo.loss sigmoid, dpo.reference precompute, no label smoothing")
+    if section["pairs"] != "offline":
+        raise SystemExit("this comparison trains TRL on the prepared preference split; dpo.pairs "
+                         f"{section['pairs']} is not mapped")
     order = trained_order(preference_batches(data_dir, int(section["batch_size"]), seed=seed), int(section["steps"]))
     model, tokenizer = _load(start)
     texts, expected = preference_texts(data_dir, order, tokenizer)
@@ -385,6 +388,7 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
         elif "trl" in saved:  # TRL's stage from an earlier invocation
             row["trl"] = saved["trl"]
         result["stages"][stage] = row
+        result["differences"] = differences(cfg, [s for s, r in result["stages"].items() if "trl" in r])
         write_json(out / "quality.json", result)
     return result
 
@@ -516,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
         for folder in args.table:
             result = json.loads((folder / "quality.json").read_text())
             results.append({**result, "out": str(folder)})
-        table = "\n".join([markdown_table(results), "", *(f"- {note}" for note in results[0]["differences"])])
+        notes = dict.fromkeys(note for result in results for note in result["differences"])  # each once, in order
+        table = "\n".join([markdown_table(results), "", *(f"- {note}" for note in notes)])
         print(table)
         if args.update:
             from posttrain.report.readme_table import replace_block

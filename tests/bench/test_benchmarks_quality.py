@@ -94,6 +94,21 @@ def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
     assert "first 10 steps (any seed): sft 0.0200, dpo 0.0200, grpo 0.0200." in out
 
 
+def test_the_table_lists_every_seeds_differences_once(tmp_path, capsys):
+    one, two = _saved(tmp_path / "s1", 1, 0.6, 0.5), _saved(tmp_path / "s2", 2, 0.7, 0.5)
+    result = json.loads((two / "quality.json").read_text())
+    (two / "quality.json").write_text(json.dumps({**result, "differences": ["a difference", "another"]}))
+    quality.main(["--table", str(one), str(two)])
+    out = capsys.readouterr().out
+    assert out.count("- a difference") == 1 and "- another" in out
+
+
+def test_on_policy_dpo_pairs_are_refused_by_name(tmp_path):
+    section = {"loss": "sigmoid", "reference": "precompute", "label_smoothing": 0.0, "pairs": "on_policy"}
+    with pytest.raises(SystemExit, match="dpo.pairs on_policy is not mapped"):
+        quality.train_dpo(tmp_path, tmp_path, section, 1, 64, tmp_path / "out")
+
+
 def test_update_rewrites_only_the_named_block(tmp_path, capsys):
     one = _saved(tmp_path / "s1", 1, 0.6, 0.5)
     doc = tmp_path / "benchmarks.md"
