@@ -83,7 +83,8 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
         raise DataError(f"dpo.loss={cfg['dpo']['loss']} trains on the unpaired split: set dpo.pairs: offline")
     if not args.pairs:
         raise DataError("dpo.pairs is on_policy: pass the reward stage's output folder (or its pairs file) with --pairs")
-    pairs = Path(args.pairs) / "pairs.parquet" if Path(args.pairs).is_dir() else Path(args.pairs)
+    given = Path(args.pairs)
+    pairs = given / "pairs.parquet" if given.is_dir() else given
     dataset = on_policy_pairs(str(pairs), tok, cfg["data"])
     return Batches(dataset, micro, preference_collate(tok.pad_id), seed=cfg["seed"], rank=rank, world_size=size), [pairs]
 

@@ -359,7 +359,7 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
         raise SystemExit(f"model.policy {cfg['model']['policy']!r} is a preset; TRL needs a model folder")
     policy = resolve_model_source(cfg["model"]["policy"])  # relative to the workflow's directory, as the run read it
     previous = read_json_if(out / "quality.json")
-    result: dict[str, Any] = {"run": str(run), "seed": seed, "policy": str(policy), "differences": differences(cfg, stages),
+    result: dict[str, Any] = {"run": str(run), "seed": seed, "policy": str(policy), "differences": [],
                               "environment": environment(), "stages": {}}
     starts = {"sft": policy, "dpo": out / "sft", "grpo": out / "dpo"}
     trainers: dict[str, Callable[[Path, Path], list[float]]] = {
