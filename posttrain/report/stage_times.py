@@ -2,7 +2,8 @@
 
 Columns of `stage_times.tsv`, one row per distinct output (variants that share it are listed once):
 
-    stage          a pipeline stage, or `eval <model stage>` for an evaluation (`eval base`: stage zero)
+    stage          a pipeline stage, `dpo_pairs` for the reward scoring that samples on-policy DPO's pairs, or
+                   `eval <model stage>` for an evaluation (`eval base`: stage zero)
     key            the output's key
     variants       the variants that use it, comma-joined
     wall_time_s    the stage process's wall time from start to its output (its posttrain.json)
@@ -18,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.workflow.layout import ORDER
+from posttrain.workflow.layout import DPO_PAIRS, ORDER
 from posttrain.workflow.lineage import read_provenance
 
 COLUMNS = ("stage", "key", "variants", "wall_time_s")
@@ -29,6 +30,8 @@ def _order(stage: str) -> tuple[int, int]:
     """Stages in pipeline order, each evaluation after the training stages in the order of what it evaluates."""
     if stage.startswith(EVAL_PREFIX):
         return ORDER.index("evaluate"), ORDER.index(stage[len(EVAL_PREFIX):])
+    if stage == DPO_PAIRS:  # just before the dpo it feeds
+        return ORDER.index("dpo"), -1
     return ORDER.index(stage), 0
 
 

@@ -28,7 +28,7 @@ from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
 from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs, without_unread_policy
-from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, STUDENT, pipeline_order
+from posttrain.workflow.layout import BASE, DPO_PAIRS, MODEL_STAGES, STAGE_DIRS, STUDENT, pipeline_order
 from posttrain.workflow.model_names import preset_names
 
 __all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
@@ -131,12 +131,16 @@ class Job:
         return self.run[RUN_SECTION.get(self.stage, self.stage)]["resources"]
 
     def ref(self) -> dict[str, str]:
-        return {"key": self.key, "path": self.path}
+        return {"stage": self.stage, "key": self.key, "path": self.path}
 
 
 @dataclass(frozen=True)
 class VariantPlan:
-    """What one variant runs: a job per stage, an eval per model stage, the export."""
+    """What one variant runs: a job per stage, an eval per model stage, the export.
+
+    `stages` is keyed by the job's role: its stage name, except `dpo_pairs` (`DPO_PAIRS`), the reward scoring
+    whose samples pair up for on-policy DPO, beside grpo's own `reward`.
+    """
 
     name: str
     overrides: dict[str, Any]
@@ -169,7 +173,7 @@ class VariantPlan:
             "stages": {stage: job.ref() for stage, job in self.stages.items()},
             "eval": {stage: job.ref() for stage, job in self.evals.items()},
             "previous": self.previous(),
-            "export": {"stage": self.export.inputs["model"].stage, **self.export.ref()},
+            "export": {**self.export.ref(), "stage": self.export.inputs["model"].stage},
         }
 
 
@@ -231,8 +235,7 @@ class Plan:
                 start = models[cfg["distill"]["teacher_stage"]]  # preflight: listed before distill
             inputs = {"data": data, **({START_FLAGS[stage]: start} if start else {})}
             if stage == "dpo" and cfg["dpo"]["pairs"] == "on_policy":  # pairs of samples of the model it starts from
-                inputs["pairs"] = self._add("reward", cfg, dict(inputs))
-                stages.setdefault("reward", inputs["pairs"])
+                stages[DPO_PAIRS] = inputs["pairs"] = self._add("reward", cfg, dict(inputs))
             if stage == "grpo":  # its reward model and prompts come from the policy it starts from
                 if cfg["reward_model"]["source"] == "train":
                     stages["reward_model"] = inputs["reward_model"] = self._add("reward_model", cfg, dict(inputs))

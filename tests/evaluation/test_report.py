@@ -20,6 +20,7 @@ from posttrain.report.curves import objective_curves
 from posttrain.report.effects import COLUMNS, effects_table
 from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
 from posttrain.report.inputs import stage_runs
+from posttrain.report.stage_times import stage_time_table
 from posttrain.report.summary import HEAD_COLUMNS, TAIL_COLUMNS, group_name, read_summary
 from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.schema import load_config
@@ -283,6 +284,21 @@ def test_stage_times_list_each_output_once_in_pipeline_order(out, plan):
     assert times.wall_time_s.between(4.9, 6.0).all()  # write_outputs dates every output 5 s after its start
     seed1_sft = plan.variants["seed1"].stages["sft"].key
     assert times[(times.stage == "sft") & (times.key == seed1_sft)].variants.item() == "again1,beta,seed1"
+
+
+def test_stage_times_keep_on_policy_dpo_pairs_beside_grpo_reward(tmp_path):
+    """Both reward scorings of a variant get a row: the one DPO's pairs come from (sampled from SFT) just before
+    dpo, grpo's own (sampled from DPO) in its place; the manifest used to keep only the last one."""
+    cfg = load_config(REPO / "config" / "config.yaml", overrides={"results": str(tmp_path / "results"),
+                                                                   "dpo": {"pairs": "on_policy"}})
+    plan = build_plan(cfg)
+    write_outputs(plan)
+    variant = plan.variants["default"]
+    times = stage_time_table(plan.report_config()["variants"])
+    assert list(times.stage[:6]) == ["prepare_data", "sft", "dpo_pairs", "dpo", "reward", "grpo"]
+    keys = dict(zip(times.stage, times.key))
+    assert keys["dpo_pairs"] == variant.stages["dpo"].inputs["pairs"].key != keys["reward"]
+    assert keys["reward"] == variant.stages["grpo"].inputs["reward"].key
 
 
 def test_missing_eval_output_is_named(tmp_path, monkeypatch):

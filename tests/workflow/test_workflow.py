@@ -413,6 +413,9 @@ def test_on_policy_dpo_trains_on_pairs_sampled_from_the_model_it_starts_from():
     assert pairs.stage == "reward" and pairs.inputs["model"] is dpo.inputs["model"] is v.stages["sft"]
     assert dpo.resolved["upstream"]["reward"] == pairs.key
     assert v.stages["grpo"].inputs["reward"].inputs["model"] is dpo  # grpo's prompts still come from its own start
+    manifest = v.manifest()["stages"]  # both scorings, each under its own name
+    assert manifest["dpo_pairs"] == {"stage": "reward", "key": pairs.key, "path": pairs.path}
+    assert manifest["reward"]["key"] == v.stages["grpo"].inputs["reward"].key != pairs.key
     offline = build_plan(cfg_with()).variants["default"].stages["dpo"]
     assert "pairs" not in offline.inputs
 
