@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.workflow.layout import DPO_PAIRS, ORDER
+from posttrain.workflow.layout import ORDER
+from posttrain.workflow.roles import DPO_PAIRS
 from posttrain.workflow.lineage import read_provenance
 
 COLUMNS = ("stage", "key", "variants", "wall_time_s")

@@ -27,9 +27,6 @@ MODEL_STAGES = ("sft", "dpo", "grpo", "distill")  # stages that write a model, i
 BASE = "base"
 # `model.student` as distillation starts from it, evaluated (with `eval.base`) but never written.
 STUDENT = "student"
-# The variant's name for the reward scoring that samples on-policy DPO's pairs (`dpo.pairs: on_policy`), beside
-# grpo's `reward`: a manifest's `stages` entry, whose ref names its stage (`reward`).
-DPO_PAIRS = "dpo_pairs"
 ORDER = (BASE, *(name for stage in STAGE_DIRS for name in ((STUDENT, stage) if stage == "distill" else (stage,))))
 
 

@@ -28,7 +28,8 @@ from posttrain.workflow.ablations import Variant, load_variants
 from posttrain.workflow.schema import REPO_ROOT, SCHEMA_DIR, get_dotted, set_dotted
 from posttrain.workflow.fingerprint import declared_reads, fingerprint, module_hashes, stage_script
 from posttrain.workflow.inputs import ContentHashes, code_search_path, user_inputs, without_unread_policy
-from posttrain.workflow.layout import BASE, DPO_PAIRS, MODEL_STAGES, STAGE_DIRS, STUDENT, pipeline_order
+from posttrain.workflow.layout import BASE, MODEL_STAGES, STAGE_DIRS, STUDENT, pipeline_order
+from posttrain.workflow.roles import DPO_PAIRS
 from posttrain.workflow.model_names import preset_names
 
 __all__ = ["MODEL_STAGES", "STAGE_DIRS", "Job", "Plan", "VariantPlan", "build_plan", "pipeline_order", "stage_key"]
