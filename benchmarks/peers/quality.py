@@ -14,7 +14,9 @@ and its evaluate outputs hold the held-out metrics. The TRL side starts from the
 posttrain's stage trained on, in the same order (the loaders' seeded permutation, replayed; TRL reads them
 sequentially):
 - SFT: posttrain's prepared rows as token ids and labels (the same chat template and loss mask).
-- DPO: the same pairs as prompt and completion text, which TRL tokenizes; the script checks TRL's ids equal
+- DPO: the same pairs (the prepared split, or with `dpo.pairs: on_policy` the pairs of the run's reward scoring
+  of its SFT model, which TRL's DPO also starts from: posttrain's SFT and TRL's train alike) as prompt and
+  completion text, which TRL tokenizes; the script checks TRL's ids equal
   posttrain's. Sigmoid loss with `beta`, the chosen-NLL term as TRL's `sft` loss at `chosen_nll_weight`,
   reference log-probs precomputed from the SFT model.
 - GRPO: the reward stage's prompts (text that tokenizes back to posttrain's ids, checked), the same verifiers
@@ -58,16 +60,27 @@ LOSS_STEPS = 10  # the training-loss comparison: both sides see the same rows, s
 # ----- the posttrain run -----
 
 def run_folders(folder: Path, stages: Sequence[str]) -> dict[str, Path]:
-    """The outputs `folder` was built from (itself included), by stage; those `stages` need must be among them."""
-    from posttrain.workflow.lineage import lineage
+    """The outputs `folder` was built from (itself included), by stage; those `stages` need must be among them.
 
-    folders = {entry["stage"]: Path(entry["path"]) for entry in lineage(folder)}
+    A run with on-policy DPO scores rewards twice: `reward` is the scoring grpo read, `dpo_pairs` the one DPO's pairs
+    came from (each stage's own record names its `reward` upstream).
+    """
+    from posttrain.workflow.lineage import lineage
+    from posttrain.workflow.roles import DPO_PAIRS
+
+    entries = lineage(folder)
+    folders = {entry["stage"]: Path(entry["path"]) for entry in entries if entry["stage"] != "reward"}
+    scorings = {entry["key"]: Path(entry["path"]) for entry in entries if entry["stage"] == "reward"}
+    for entry in entries:
+        reads = (entry["record"] or {}).get("upstream", {}).get("reward")
+        if reads is not None and entry["stage"] in ("dpo", "grpo"):
+            folders[DPO_PAIRS if entry["stage"] == "dpo" else "reward"] = scorings[reads]
     needed = ["prepare_data", *stages, *(["reward"] if "grpo" in stages else [])]
     missing = [s for s in needed if s not in folders]
     if missing:
         raise SystemExit(f"{folder}: its lineage lacks {', '.join(missing)}; give the output of the last stage to "
                          f"compare (a GRPO output for all three: prepare_data -> sft -> dpo -> reward -> grpo)")
-    for stage in needed:
+    for stage in [*needed, *([DPO_PAIRS] if DPO_PAIRS in folders and "dpo" in stages else [])]:
         if not folders[stage].is_dir():
             raise SystemExit(f"{folders[stage]}: the {stage} output the run names is not there")
     return folders
@@ -218,23 +231,21 @@ def _split_pair(ids: Sequence[int], labels: Sequence[int]) -> tuple[list[int], l
     return list(ids[: trained[0]]), list(ids[trained[0] : trained[-1] + 1])
 
 
-def preference_texts(data_dir: Path, order: Sequence[int],
-                     tokenizer) -> tuple[dict[str, list[str]], list[dict[str, list[int]]]]:
+def preference_texts(rows: Any, order: Sequence[int], tokenizer,
+                     source: str) -> tuple[dict[str, list[str]], list[dict[str, list[int]]]]:
     """TRL's DPO rows as text (prompt, chosen, rejected; each completion ends with its eos) and the ids they must
-    tokenize to."""
+    tokenize to, from posttrain's tokenized pairs `rows` (a split; `source` names it in errors)."""
     import numpy as np
 
-    from posttrain.data.store import load_split
-
-    rows = load_split(data_dir, "preference")[np.asarray(order)]
+    picked = rows[np.asarray(order)]
     texts: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
     expected = []
-    for c_ids, c_labels, r_ids, r_labels in zip(rows["chosen_input_ids"], rows["chosen_labels"],
-                                                rows["rejected_input_ids"], rows["rejected_labels"]):
+    for c_ids, c_labels, r_ids, r_labels in zip(picked["chosen_input_ids"], picked["chosen_labels"],
+                                                picked["rejected_input_ids"], picked["rejected_labels"]):
         prompt, chosen = _split_pair(c_ids, c_labels)
         prompt_r, rejected = _split_pair(r_ids, r_labels)
         if prompt != prompt_r:
-            raise SystemExit(f"{data_dir}/preference: a pair's chosen and rejected prompts differ")
+            raise SystemExit(f"{source}: a pair's chosen and rejected prompts differ")
         texts["prompt"].append(tokenizer.decode(prompt, skip_special_tokens=False))
         texts["chosen"].append(tokenizer.decode(chosen, skip_special_tokens=False))
         texts["rejected"].append(tokenizer.decode(rejected, skip_special_tokens=False))
@@ -242,32 +253,59 @@ def preference_texts(data_dir: Path, order: Sequence[int],
     return texts, expected
 
 
-def train_dpo(start: Path, data_dir: Path, section: dict[str, Any], seed: int, max_len: int, out: Path) -> list[float]:
+def dpo_stage() -> Any:
+    """stages/dpo.py as a module: on-policy pairs are read by the stage's own reader, not a copy of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("posttrain_dpo_stage", ROOT / "stages" / "dpo.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    return stage
+
+
+def trained_pairs(data_dir: Path, pairs: Path | None, section: dict[str, Any], data_cfg: dict[str, Any],
+                  seed: int) -> tuple[Any, list[int], str]:
+    """The pairs posttrain's DPO stage trained on (the prepared split, or with `dpo.pairs: on_policy` the
+    reward scoring's pairs, read by the stage's own reader), the rows it drew over its steps, and their source."""
+    from posttrain.data.loader import Batches, preference_batches, preference_collate
+    from posttrain.data.store import load_split
+    from posttrain.tokenizer import Tokenizer
+
+    batch, steps = int(section["batch_size"]), int(section["steps"])
+    if section["pairs"] == "offline":
+        return load_split(data_dir, "preference"), trained_order(preference_batches(data_dir, batch, seed=seed),
+                                                                  steps), f"{data_dir}/preference"
+    if section["pairs"] != "on_policy" or pairs is None:
+        raise SystemExit(f"dpo.pairs {section['pairs']}: this comparison maps offline pairs, and on-policy pairs "
+                         "from the run's reward scoring (its lineage names none)")
+    tok = Tokenizer(Path(data_dir) / "tokenizer")
+    file = pairs / "pairs.parquet"
+    rows = dpo_stage().on_policy_pairs(str(file), tok, data_cfg)
+    return rows, trained_order(Batches(rows, batch, preference_collate(tok.pad_id), seed=seed), steps), str(file)
+
+
+def train_dpo(start: Path, data_dir: Path, pairs: Path | None, section: dict[str, Any], data_cfg: dict[str, Any],
+              seed: int, out: Path) -> list[float]:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from posttrain.data.loader import preference_batches
-
     if section["loss"] != "sigmoid" or section["reference"] != "precompute" or section["label_smoothing"]:
         raise SystemExit("this comparison maps dpo.loss sigmoid, dpo.reference precompute, no label smoothing")
-    if section["pairs"] != "offline":
-        raise SystemExit("this comparison trains TRL on the prepared preference split; dpo.pairs "
-                         f"{section['pairs']} is not mapped")
-    order = trained_order(preference_batches(data_dir, int(section["batch_size"]), seed=seed), int(section["steps"]))
+    rows, order, source = trained_pairs(data_dir, pairs, section, data_cfg, seed)
     model, tokenizer = _load(start)
-    texts, expected = preference_texts(data_dir, order, tokenizer)
+    texts, expected = preference_texts(rows, order, tokenizer, source)
     weight = float(section.get("chosen_nll_weight", 0.0))
     losses = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, weight]} if weight else {"loss_type": ["sigmoid"]}
     args = DPOConfig(**_arguments(section, seed, out), per_device_train_batch_size=int(section["batch_size"]),
-                     max_length=max_len, beta=float(section["beta"]), precompute_ref_log_probs=True,
-                     train_sampling_strategy="sequential", **losses)
+                     max_length=int(data_cfg["max_seq_len"]), beta=float(section["beta"]),
+                     precompute_ref_log_probs=True, train_sampling_strategy="sequential", **losses)
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts), processing_class=tokenizer,
                          optimizers=_optimizers(model, section))
     got = trainer.train_dataset
     for i, want in enumerate(expected):
         row = {k: list(got[i][k]) for k in want}
         if row != want:
-            raise SystemExit(f"TRL tokenized preference pair {order[i]} to other ids than posttrain trained on: "
+            raise SystemExit(f"TRL tokenized {source} pair {order[i]} to other ids than posttrain trained on: "
                              f"{row} vs {want}")
     return _train(trainer, out)
 
@@ -350,6 +388,7 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
     from posttrain.model_files import resolve_model_source
     from posttrain.models import is_preset
     from posttrain.utils.provenance import read_provenance
+    from posttrain.workflow.roles import DPO_PAIRS
 
     folders = run_folders(run, stages)
     data_dir = folders["prepare_data"]
@@ -364,7 +403,8 @@ def compare(run: Path, out: Path, stages: Sequence[str]) -> dict[str, Any]:
     starts = {"sft": policy, "dpo": out / "sft", "grpo": out / "dpo"}
     trainers: dict[str, Callable[[Path, Path], list[float]]] = {
         "sft": lambda start, dest: train_sft(start, data_dir, cfg["sft"], seed, dest),
-        "dpo": lambda start, dest: train_dpo(start, data_dir, cfg["dpo"], seed, int(cfg["data"]["max_seq_len"]), dest),
+        "dpo": lambda start, dest: train_dpo(start, data_dir, folders.get(DPO_PAIRS), cfg["dpo"], cfg["data"], seed,
+                                             dest),
         "grpo": lambda start, dest: train_grpo(start, data_dir, folders["reward"], cfg["grpo"],
                                                cfg["reward"]["verifiers"], seed, dest),
     }

@@ -3,6 +3,7 @@ both sides from the saved comparisons."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -20,6 +21,7 @@ from sft_testing import prepare_data  # noqa: E402
 
 from posttrain.data.loader import preference_batches, sft_batches  # noqa: E402
 from posttrain.data.store import load_split  # noqa: E402
+from posttrain.tokenizer import Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def test_preference_pairs_split_at_the_first_trained_token(unpacked):
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(unpacked / "tokenizer" / "tokenizer.json"))
     order = quality.trained_order(preference_batches(unpacked, 4, seed=1), 2)
-    texts, expected = quality.preference_texts(unpacked, order, tokenizer)
+    texts, expected = quality.preference_texts(load_split(unpacked, "preference"), order, tokenizer, "preference")
     rows = load_split(unpacked, "preference")[np.asarray(order)]
     for i, want in enumerate(expected):
         chosen = list(rows["chosen_input_ids"][i])
@@ -103,10 +105,58 @@ def test_the_table_lists_every_seeds_differences_once(tmp_path, capsys):
     assert out.count("- a difference") == 1 and "- another" in out
 
 
-def test_on_policy_dpo_pairs_are_refused_by_name(tmp_path):
-    section = {"loss": "sigmoid", "reference": "precompute", "label_smoothing": 0.0, "pairs": "on_policy"}
-    with pytest.raises(SystemExit, match="dpo.pairs on_policy is not mapped"):
-        quality.train_dpo(tmp_path, tmp_path, section, 1, 64, tmp_path / "out")
+ON_POLICY = {"loss": "sigmoid", "reference": "precompute", "label_smoothing": 0.0, "pairs": "on_policy",
+             "batch_size": 4, "steps": 3}
+
+
+def test_on_policy_pairs_are_the_reward_scorings_in_the_stages_order(unpacked, tmp_path):
+    """The reward stage's pairs.parquet, in the shape it writes, tokenized by the DPO stage's own reader and drawn
+    in its loader's order: pairs that only exist in the file, not in the prepared split."""
+    import pandas as pd
+
+    scoring = tmp_path / "reward"
+    scoring.mkdir()
+    prompts = [f"Sort ascending: {n}, {n + 7}, 3" for n in range(10)]
+    pd.DataFrame({"prompt_index": range(10), "prompt_id": [f"sort-{n}" for n in range(10)],
+                  "prompt": [[{"role": "user", "content": p}] for p in prompts],
+                  "chosen": [f"#### 3, {n}, {n + 7}" for n in range(10)],
+                  "rejected": [f"#### {n}, 3, {n + 7}" for n in range(10)],
+                  "chosen_reward": 1.0, "rejected_reward": 0.0}).to_parquet(scoring / "pairs.parquet")
+    data_cfg = {"max_seq_len": 64, "truncation": "right"}
+    rows, order, source = quality.trained_pairs(unpacked, scoring, ON_POLICY, data_cfg, seed=1)
+    assert len(rows) == 10 and source.endswith("reward/pairs.parquet")
+    assert len(order) == 12 and len(set(order[:8])) == 8 and set(order) <= set(range(10))  # 2 full batches an epoch
+    stage = quality.dpo_stage()  # what the DPO stage itself draws from the same folder
+    args = argparse.Namespace(pairs=str(scoring), data=str(unpacked))
+    cfg = {"dpo": ON_POLICY, "data": data_cfg, "seed": 1}
+    drawn, files = stage.training_pairs(args, cfg, Tokenizer(unpacked / "tokenizer"), 4, 0, 1)
+    assert quality.trained_order(drawn, 3) == order and files == [scoring / "pairs.parquet"]
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(unpacked / "tokenizer" / "tokenizer.json"))
+    texts, expected = quality.preference_texts(rows, order, tokenizer, source)
+    assert all(prompts[order[i]].split(": ")[1] in texts["prompt"][i] for i in range(len(order)))
+    assert all(t.startswith("#### 3") for t in texts["chosen"])
+    with pytest.raises(SystemExit, match="its lineage names none"):
+        quality.trained_pairs(unpacked, None, ON_POLICY, data_cfg, seed=1)
+
+
+def _record(results: Path, stage: str, key: str, upstream: dict[str, str]) -> None:
+    folder = results / {"prepare_data": "data"}.get(stage, stage) / key
+    folder.mkdir(parents=True)
+    (folder / "posttrain.json").write_text(json.dumps({"stage": stage, "key": key, "upstream": upstream}))
+
+
+def test_a_run_with_on_policy_dpo_names_each_reward_scoring_by_what_read_it(tmp_path):
+    for stage, key, upstream in [("prepare_data", "d0", {}), ("sft", "s0", {"prepare_data": "d0"}),
+                                 ("reward", "r-sft", {"prepare_data": "d0", "sft": "s0"}),
+                                 ("dpo", "p0", {"prepare_data": "d0", "sft": "s0", "reward": "r-sft"}),
+                                 ("reward", "r-dpo", {"prepare_data": "d0", "dpo": "p0"}),
+                                 ("grpo", "g0", {"prepare_data": "d0", "dpo": "p0", "reward": "r-dpo"})]:
+        _record(tmp_path, stage, key, upstream)
+    folders = quality.run_folders(tmp_path / "grpo" / "g0", quality.STAGES)
+    assert folders["reward"] == tmp_path / "reward" / "r-dpo" and folders["dpo_pairs"] == tmp_path / "reward" / "r-sft"
+    assert folders["grpo"] == tmp_path / "grpo" / "g0" and folders["sft"] == tmp_path / "sft" / "s0"
 
 
 def test_update_rewrites_only_the_named_block(tmp_path, capsys):
