@@ -107,8 +107,9 @@ def posttrain_side(stage_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from posttrain.utils.provenance import read_provenance
 
     evaluation, eval_cfg = evaluation_of(stage_dir)
+    record = read_provenance(stage_dir)
     return {"metrics": _pick(json.loads((evaluation / "metrics.json").read_text())),
-            "wall_time_s": read_provenance(stage_dir)["wall_time_s"], "folder": str(stage_dir),
+            "wall_time_s": record["wall_time_s"], "threads": record.get("threads"), "folder": str(stage_dir),
             "train_loss": logged_losses(stage_dir)}, eval_cfg
 
 
@@ -529,10 +530,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     plural = "s" if len(results) > 1 else ""
     isa = f" ({', '.join(env['isa'])})" if env.get("isa") else ""
     usable = f", {env['cores_usable']} usable" if env.get("cores_usable", env["cores"]) != env["cores"] else ""
-    threads = f", {env['torch_threads']} torch thread(s) a process" if "torch_threads" in env else ""
+    threads = f", TRL at {env['torch_threads']} torch thread(s)" if "torch_threads" in env else ""
+    ours = sorted({row["posttrain"]["threads"] for r in results for row in r["stages"].values()
+                   if row.get("posttrain", {}).get("threads")})
+    threads += f", posttrain's stages at {', '.join(map(str, ours))}" if ours else ""
+    commits = ", ".join(dict.fromkeys(r["environment"]["commit"] for r in results))
+    dates = ", ".join(dict.fromkeys(r["environment"]["date"][:10] for r in results))
     lines += ["", f"*mean ± std over seed{plural} {seeds}; {env['cpu']}{isa}, {env['cores']} cores{usable}{threads}, "
                   f"torch {env['torch']}, "
-                  f"transformers {env['transformers']}, TRL {env['trl']}, commit {env['commit']}, {env['date'][:10]}; "
+                  f"transformers {env['transformers']}, TRL {env['trl']}, commit {commits}, {dates}; "
                   "made by `python benchmarks/peers/quality.py --table " +
                   " ".join(r.get("out", "") for r in results).strip() + "`.*"]
     return "\n".join(lines)

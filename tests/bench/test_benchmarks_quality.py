@@ -71,15 +71,17 @@ def test_preference_pairs_split_at_the_first_trained_token(unpacked):
         assert texts["prompt"][i] == tokenizer.decode(want["prompt_ids"], skip_special_tokens=False)
 
 
-def _saved(folder: Path, seed: int, ours: float, theirs: float) -> Path:
+def _saved(folder: Path, seed: int, ours: float, theirs: float, commit: str = "abc", threads: int = 1) -> Path:
     stages = {stage: {side: {"metrics": {"accuracy": value, "pass@1": value - 0.05, "pass@4": None, "nll": 0.2,
                                          "pref_acc": 0.9 if stage == "dpo" else None},
                              "wall_time_s": 120.0 * (2 if side == "trl" else 1),
+                             **({"threads": threads} if side == "posttrain" else {}),
                              "train_loss": [1.0, 0.5] if side == "trl" else [1.0, 0.52]}
                       for side, value in (("posttrain", ours), ("trl", theirs))}
               for stage in quality.STAGES}
     folder.mkdir()
-    env = {"cpu": "Test CPU", "cores": 2, "torch": "2.13.0", "transformers": "5", "trl": "1", "commit": "abc",
+    env = {"cpu": "Test CPU", "cores": 2, "torch": "2.13.0", "transformers": "5", "trl": "1", "commit": commit,
+           "torch_threads": 1,
            "date": "2026-12-04T00:00:00"}
     (folder / "quality.json").write_text(json.dumps({"seed": seed, "stages": stages, "environment": env,
                                                      "differences": ["a difference"]}))
@@ -87,9 +89,10 @@ def _saved(folder: Path, seed: int, ours: float, theirs: float) -> Path:
 
 
 def test_the_table_gives_each_side_mean_and_spread_over_seeds(tmp_path, capsys):
-    one, two = _saved(tmp_path / "s1", 1, 0.6, 0.5), _saved(tmp_path / "s2", 2, 0.7, 0.5)
+    one, two = _saved(tmp_path / "s1", 1, 0.6, 0.5, threads=2), _saved(tmp_path / "s2", 2, 0.7, 0.5, commit="def")
     quality.main(["--table", str(one), str(two)])
     out = capsys.readouterr().out
+    assert "TRL at 1 torch thread(s), posttrain's stages at 1, 2," in out and "commit abc, def, 2026-12-04;" in out
     assert "| sft | posttrain | 0.650 ± 0.071 | 0.600 ± 0.071 | – | 0.200 ± 0.000 | – | 2.0 ± 0.0 |" in out
     assert "| dpo | trl | 0.500 ± 0.000 | 0.450 ± 0.000 | – | 0.200 ± 0.000 | 0.900 ± 0.000 | 4.0 ± 0.0 |" in out
     assert "seeds 1, 2" in out and "- a difference" in out
