@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.report.readme_table import replace_block
+from posttrain.utils.io import PROVENANCE_FILE
 from posttrain.workflow.plan import Plan, build_plan
 from posttrain.workflow.schema import REPO_ROOT, load_config
 
@@ -44,9 +45,11 @@ def kind_rows(data: Mapping[str, Any], kind: str, prepared: Mapping[str, int] | 
 
 
 def _training_split(stage: str, section: Mapping[str, Any], data: Mapping[str, Any], reward_prompts: int | None,
-                    prepared: Mapping[str, int] | None) -> tuple[int | None, str, str]:
+                    prepared: Mapping[str, int] | None,
+                    scored: Mapping[str, Any] | None = None) -> tuple[int | None, str, str]:
     """(rows, what a row is, note) of the split the stage steps through; `reward_prompts`: the `reward.n_prompts`
-    of the reward stage it reads (GRPO's prompts, DPO's on-policy pairs), None without one."""
+    of the reward stage it reads (GRPO's prompts, DPO's on-policy pairs), None without one; `scored`: that
+    reward stage's metrics once it has run (the pairs and band prompts it wrote)."""
     if stage in ("sft", "distill") and not (stage == "distill" and section["data"] != "sft"):
         if prepared is not None:
             return prepared["sft"], "sft rows", "as prepared"
@@ -60,6 +63,8 @@ def _training_split(stage: str, section: Mapping[str, Any], data: Mapping[str, A
         return kind_rows(data, "prompts", prepared), "prompts", "completions sampled"
     if stage == "dpo":
         if section["pairs"] == "on_policy":
+            if scored is not None:
+                return int(scored["pairs"]), "pairs", "on-policy, as scored"
             return None, "pairs", f"on-policy, <= {reward_prompts} from the reward stage"
         if section["loss"] == "kto":
             return (prepared["unpaired"], "unpaired rows", "") if prepared else (None, "unpaired rows", "counted by data prep")
@@ -70,6 +75,8 @@ def _training_split(stage: str, section: Mapping[str, Any], data: Mapping[str, A
             return None, "pairs", ""
         held = max(1, int(pairs * float(section["held_out"])))
         return pairs - held, "pairs", f"{held} held out"
+    if scored is not None:
+        return int(scored["grpo_prompts"]), "prompts", "the reward stage's band, as scored"
     prompts = kind_rows(data, "prompts", prepared)
     if reward_prompts is not None and prompts is not None:
         prompts = min(prompts, reward_prompts)
@@ -87,14 +94,15 @@ def _per_step(stage: str, section: Mapping[str, Any], max_len: int) -> tuple[int
 
 
 def stage_row(stage: str, section: Mapping[str, Any], data: Mapping[str, Any], reward_prompts: int | None = None,
-              prepared: Mapping[str, int] | None = None) -> dict[str, str]:
+              prepared: Mapping[str, int] | None = None, scored: Mapping[str, Any] | None = None) -> dict[str, str]:
     """One training stage's line of the summary (strings by column)."""
-    rows, unit, note = _training_split(stage, section, data, reward_prompts, prepared)
+    rows, unit, note = _training_split(stage, section, data, reward_prompts, prepared, scored)
     per_step, tokens = _per_step(stage, section, int(data["max_seq_len"]))
     epochs = section.get("epochs")
     if epochs is None:
         steps = str(section["steps"])
-        over = f"{int(section['steps']) * per_step / rows:.2f}" if rows else "after data prep"
+        over = f"{int(section['steps']) * per_step / rows:.2f}" if rows else (
+            "after reward scoring" if unit == "pairs" and section.get("pairs") == "on_policy" else "after data prep")
     else:
         steps = str(max(1, math.ceil(float(epochs) * rows / per_step))) if rows else "from epochs"
         over = f"{float(epochs):g}"
@@ -109,6 +117,15 @@ def prepared_rows(data_dir: Path) -> dict[str, int] | None:
     if not stats.is_file():
         return None
     return {split: int(values["rows"]) for split, values in json.loads(stats.read_text())["splits"].items()}
+
+
+def scored_counts(reward_dir: Path) -> dict[str, Any] | None:
+    """The metrics of a reward scoring output that exists (its posttrain.json: `pairs`, `grpo_prompts`), else None."""
+    record = reward_dir / PROVENANCE_FILE
+    if not record.is_file():
+        return None
+    metrics = json.loads(record.read_text()).get("metrics", {})
+    return metrics if {"pairs", "grpo_prompts"} <= metrics.keys() else None
 
 
 def summary_lines(plan: Plan, columns: Sequence[str] = COLUMNS, read_prepared: bool = True) -> list[str]:
@@ -129,7 +146,9 @@ def summary_lines(plan: Plan, columns: Sequence[str] = COLUMNS, read_prepared: b
             if (stage, job.key) not in rows:
                 reward = job.inputs.get("reward") or job.inputs.get("pairs")
                 prompts = reward.resolved.get("reward", {}).get("n_prompts") if reward is not None else None
-                rows[(stage, job.key)] = {**stage_row(stage, job.resolved[stage], data, prompts, prepared), "key": job.key}
+                scored = scored_counts(Path(reward.path)) if reward is not None and read_prepared else None
+                rows[(stage, job.key)] = {**stage_row(stage, job.resolved[stage], data, prompts, prepared, scored),
+                                          "key": job.key}
     if not rows:
         return []
     for id_, row in rows.items():

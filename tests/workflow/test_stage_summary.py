@@ -67,6 +67,25 @@ def test_local_source_rows_epochs_and_prepared_data_count(tmp_path: Path):
     assert rows["dpo"]["trains on"] == "40 pairs"
 
 
+def test_on_policy_pairs_and_band_prompts_count_once_reward_scoring_has_run(tmp_path: Path):
+    cfg = validate_config(merge(BASE, {"ablations": None, "results": str(tmp_path / "results"),
+                                       "dpo": {"pairs": "on_policy"}}))
+    rows = _rows(cfg)
+    assert rows["dpo"]["trains on"] == f"on-policy, <= {cfg['reward']['n_prompts']} from the reward stage"
+    assert rows["dpo"]["epochs"] == "after reward scoring"
+    variant = next(iter(build_plan(cfg).variants.values()))
+    for job, counts in ((variant.stages["dpo"].inputs["pairs"], {"pairs": 24, "grpo_prompts": 30}),
+                        (variant.stages["grpo"].inputs["reward"], {"pairs": 5, "grpo_prompts": 12})):
+        Path(job.path).mkdir(parents=True)
+        (Path(job.path) / "posttrain.json").write_text(json.dumps({"stage": "reward", "metrics": counts}))
+    rows = _rows(cfg)
+    dpo, grpo = cfg["dpo"], cfg["grpo"]
+    assert rows["dpo"]["trains on"] == "24 pairs (on-policy, as scored)"  # the scoring of dpo's start, not grpo's
+    assert rows["dpo"]["epochs"] == f"{dpo['steps'] * dpo['batch_size'] / 24:.2f}"
+    assert rows["grpo"]["trains on"] == "12 prompts (the reward stage's band, as scored)"
+    assert rows["grpo"]["epochs"] == f"{grpo['steps'] * grpo['prompts_per_step'] / 12:.2f}"
+
+
 def test_the_readme_shows_the_default_configs_table(capsys):
     from posttrain.report.readme_table import markers
     from posttrain.workflow.stage_summary import main
