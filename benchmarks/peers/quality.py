@@ -87,18 +87,28 @@ def run_folders(folder: Path, stages: Sequence[str]) -> dict[str, Path]:
 
 
 def evaluation_of(stage_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The evaluate output of a stage output (its config names it upstream) and that evaluate config."""
+    """The evaluate output of a stage output (its config names it upstream) and that evaluate config.
+
+    Only a finished one counts: every plan writes its configs, so a dry run under other code or settings leaves
+    an evaluate config of the same stage output that never ran.
+    """
     from posttrain.utils.provenance import read_provenance
 
     record = read_provenance(stage_dir)
     evals = stage_dir.parent.parent / "eval"
+    planned = []
     for config in sorted(evals.glob("*.config.json")):
         cfg = json.loads(config.read_text())
         if cfg.get("upstream", {}).get(record["stage"]) == record["key"]:
-            out = config.with_name(config.name.removesuffix(".config.json"))
-            if not (out / "metrics.json").is_file():
-                raise SystemExit(f"{out}: the evaluation of {stage_dir} has not finished")
-            return out, cfg
+            planned.append((config.with_name(config.name.removesuffix(".config.json")), cfg))
+    finished = [(out, cfg) for out, cfg in planned if (out / "metrics.json").is_file()]
+    if len(finished) > 1:
+        raise SystemExit(f"{stage_dir} has {len(finished)} finished evaluations ({', '.join(str(o) for o, _ in finished)}): "
+                         "remove the ones of other settings")
+    if finished:
+        return finished[0]
+    if planned:
+        raise SystemExit(f"{', '.join(str(o) for o, _ in planned)}: the evaluation of {stage_dir} has not finished")
     raise SystemExit(f"{evals}: no evaluation of {stage_dir}; run the workflow's evaluate targets first")
 
 

@@ -150,6 +150,21 @@ def _record(results: Path, stage: str, key: str, upstream: dict[str, str]) -> No
     (folder / "posttrain.json").write_text(json.dumps({"stage": stage, "key": key, "upstream": upstream}))
 
 
+def test_the_evaluation_of_a_stage_output_is_its_finished_one(tmp_path):
+    _record(tmp_path, "sft", "s0", {})
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    for key in ("a-never-ran", "b-finished"):  # a dry run under other code plans an evaluation it never runs
+        (evals / f"{key}.config.json").write_text(json.dumps({"upstream": {"sft": "s0"}, "key": key}))
+    (evals / "b-finished").mkdir()
+    (evals / "b-finished" / "metrics.json").write_text("{}")
+    out, cfg = quality.evaluation_of(tmp_path / "sft" / "s0")
+    assert out == evals / "b-finished" and cfg["key"] == "b-finished"
+    (evals / "b-finished" / "metrics.json").unlink()
+    with pytest.raises(SystemExit, match="a-never-ran, .*b-finished: the evaluation of .* has not finished"):
+        quality.evaluation_of(tmp_path / "sft" / "s0")
+
+
 def test_a_run_with_on_policy_dpo_names_each_reward_scoring_by_what_read_it(tmp_path):
     for stage, key, upstream in [("prepare_data", "d0", {}), ("sft", "s0", {"prepare_data": "d0"}),
                                  ("reward", "r-sft", {"prepare_data": "d0", "sft": "s0"}),
