@@ -383,8 +383,12 @@ def _trl_record(stage: str, cfg: dict[str, Any], wall: float) -> dict[str, Any]:
 
 def evaluate(eval_cfg: dict[str, Any], data_dir: Path, model: Path, out: Path,
              reference: Path | None) -> dict[str, Any]:
-    """posttrain's evaluate stage on `model`, in its own process, as the workflow runs it."""
+    """posttrain's evaluate stage on `model`, in its own process, as the workflow runs it. An evaluation an earlier
+    invocation left at `out` scored the model this one replaced: the stage refuses to overwrite it, so it goes."""
+    import shutil
+
     config = out.with_name(out.name + ".config.json")
+    shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(json.dumps(eval_cfg, indent=2))
     command = [sys.executable, str(ROOT / "stages" / "evaluate.py"), "--config", str(config), "--data", str(data_dir),

@@ -165,6 +165,24 @@ def test_the_evaluation_of_a_stage_output_is_its_finished_one(tmp_path):
         quality.evaluation_of(tmp_path / "sft" / "s0")
 
 
+def test_a_retrained_stage_is_evaluated_afresh(tmp_path, monkeypatch):
+    """Rerunning a TRL stage into the same --out: the earlier evaluation (of the model it replaced) is removed
+    before the evaluate stage runs, which would refuse an output of another run."""
+    stale = tmp_path / "eval" / "dpo"
+    stale.mkdir(parents=True)
+    (stale / "metrics.json").write_text('{"accuracy": 0.1}')
+    seen = []
+
+    def run(command, **_):
+        seen.append(stale.exists())
+        stale.mkdir()
+        (stale / "metrics.json").write_text('{"accuracy": 0.7}')
+
+    monkeypatch.setattr(quality.subprocess, "run", run)
+    metrics = quality.evaluate({"stage": "evaluate"}, tmp_path, tmp_path / "dpo", stale, None)
+    assert seen == [False] and metrics == {"accuracy": 0.7}
+
+
 def test_a_run_with_on_policy_dpo_names_each_reward_scoring_by_what_read_it(tmp_path):
     for stage, key, upstream in [("prepare_data", "d0", {}), ("sft", "s0", {"prepare_data": "d0"}),
                                  ("reward", "r-sft", {"prepare_data": "d0", "sft": "s0"}),
