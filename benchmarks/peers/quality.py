@@ -277,22 +277,19 @@ def dpo_stage() -> Any:
 def trained_pairs(data_dir: Path, pairs: Path | None, section: dict[str, Any], data_cfg: dict[str, Any],
                   seed: int) -> tuple[Any, list[int], str]:
     """The pairs posttrain's DPO stage trained on (the prepared split, or with `dpo.pairs: on_policy` the
-    reward scoring's pairs, read by the stage's own reader), the rows it drew over its steps, and their source."""
-    from posttrain.data.loader import Batches, preference_batches, preference_collate
-    from posttrain.data.store import load_split
+    reward scoring's pairs), drawn by the stage's own `training_pairs`: the rows, those it drew over its steps,
+    and their source."""
     from posttrain.tokenizer import Tokenizer
 
-    batch, steps = int(section["batch_size"]), int(section["steps"])
-    if section["pairs"] == "offline":
-        return load_split(data_dir, "preference"), trained_order(preference_batches(data_dir, batch, seed=seed),
-                                                                  steps), f"{data_dir}/preference"
-    if section["pairs"] != "on_policy" or pairs is None:
+    if section["pairs"] == "on_policy" and pairs is None:
         raise SystemExit(f"dpo.pairs {section['pairs']}: this comparison maps offline pairs, and on-policy pairs "
                          "from the run's reward scoring (its lineage names none)")
-    tok = Tokenizer(Path(data_dir) / "tokenizer")
-    file = pairs / "pairs.parquet"
-    rows = dpo_stage().on_policy_pairs(str(file), tok, data_cfg)
-    return rows, trained_order(Batches(rows, batch, preference_collate(tok.pad_id), seed=seed), steps), str(file)
+    args = argparse.Namespace(data=str(data_dir), pairs=str(pairs) if section["pairs"] == "on_policy" else None)
+    cfg = {"dpo": section, "data": data_cfg, "seed": seed}
+    batches, files = dpo_stage().training_pairs(args, cfg, Tokenizer(Path(data_dir) / "tokenizer"),
+                                                int(section["batch_size"]), 0, 1)
+    source = str(files[0]) if section["pairs"] == "on_policy" else f"{data_dir}/preference"
+    return batches.dataset, trained_order(batches, int(section["steps"])), source
 
 
 def train_dpo(start: Path, data_dir: Path, pairs: Path | None, section: dict[str, Any], data_cfg: dict[str, Any],
