@@ -29,7 +29,11 @@ class Reply:
 
 class Environment(ABC):
     """One episode. `example` is the prompts (or eval) split's row: `prompt`, `answer`, `task` and every column
-    of the source. Subclasses define `step`; `messages` and `tools` have defaults."""
+    of the source. Subclasses define `step`; `messages` and `tools` have defaults. `SANDBOXED`: the environment
+    runs model-written code in `posttrain.envs.sandbox`, so the dry run checks that this machine can confine it
+    (with `args.allow_missing`)."""
+
+    SANDBOXED: ClassVar[bool] = False
 
     def __init__(self, example: Mapping[str, Any], **args: Any):
         self.example = dict(example)

@@ -51,12 +51,19 @@ class Calculator(ToolEnvironment):
 
 class Python(ToolEnvironment):
     """`run_python(code)` in the sandbox (`posttrain.envs.sandbox`): its printed output comes back.
-    Args: `timeout_s`, `memory_mb`, `output_chars`."""
+    Args: the fields of `sandbox.Limits` (`timeout_s`, `memory_mb`, `output_chars`, ..., `allow_missing`)."""
 
     TOOLS = {"run_python": ("Run Python code and return what it prints", {"code": "a Python program"})}
+    SANDBOXED = True
 
     def run_python(self, code: str) -> str:
-        return run_python(code, Limits(**{k: v for k, v in self.args.items() if k in Limits.__dataclass_fields__}))
+        return run_python(code, sandbox_limits(self.args))
+
+
+def sandbox_limits(args: dict[str, Any]) -> Limits:
+    """The sandbox's limits from an environment's args (the keys `Limits` has; the rest are the environment's)."""
+    fields = {k: v for k, v in args.items() if k in Limits.__dataclass_fields__}
+    return Limits(**{**fields, "allow_missing": tuple(fields.get("allow_missing", ()))})
 
 
 class GuessNumber(Environment):

@@ -1,93 +1,157 @@
-"""Run a model's Python code in a subprocess that cannot hang the run, exhaust its memory, write outside its own
-folder, start processes or reach the network; whatever goes wrong comes back as the result's text.
+"""Run a model's Python code confined by the kernel; whatever the code does comes back as the result's text.
 
-Limits, each enforced in the child: wall time (killed past `timeout_s`), CPU time and address space
-(`resource` limits), file size, and an audit hook installed before the code runs (`sys.addaudithook`, which code
-cannot remove) that refuses sockets, process creation, `ctypes` and opening files for writing outside the
-sandbox folder. Where the kernel allows an unprivileged network namespace, the child gets one too (no interface
-but loopback), so even code that got past the hook has no network.
+Each call is a fresh interpreter in a fresh folder, confined before the code's first line by the mechanisms of
+`posttrain.envs.confinement` (namespaces, seccomp, Landlock) and by resource limits: address space, CPU time, file
+size, open files, threads, no core files, and a wall-clock limit past which the whole sandbox is killed. Its
+output is read up to a cap, so no amount of printing reaches the trainer's memory. docs/environments.md gives the
+threat model.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
+import math
 import os
-import resource
+import selectors
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
-from pathlib import Path
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+from posttrain.envs import confinement
+from posttrain.envs.confinement import SandboxUnavailable
 
-# Runs in the child before the user's code: the audit hook, then the code itself (read from main.py).
-PRELUDE = r'''
-import os, sys
-ROOT = os.path.realpath(os.getcwd())
-BLOCKED = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-           "os.forkpty", "pty.spawn", "ctypes.", "os.kill", "os.killpg", "signal.pthread_kill")
-def _hook(event, args):
-    if event.startswith(BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        mode, flags = (args[1] or "r"), (args[2] or 0)
-        writing = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-        path = os.path.realpath(os.fsdecode(args[0]))
-        if writing and not (path == ROOT or path.startswith(ROOT + os.sep)):
-            raise PermissionError(f"sandbox: writing {path} is outside the sandbox folder")
-    if event in ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.chmod", "os.symlink", "os.link"):
-        path = os.path.realpath(os.fsdecode(args[0]))
-        if not (path == ROOT or path.startswith(ROOT + os.sep)):
-            raise PermissionError(f"sandbox: {event} of {path} is outside the sandbox folder")
-source = open("main.py").read()
-sys.addaudithook(_hook)
-exec(compile(source, "main.py", "exec"), {"__name__": "__main__"})
-'''
+__all__ = ["Limits", "SandboxUnavailable", "run_python"]
 
 
 @dataclass(frozen=True)
 class Limits:
+    """The limits of one call. `allow_missing`: mechanisms (`confinement.MECHANISMS`) this machine may lack."""
+
     timeout_s: float = 5.0
     memory_mb: int = 512
     output_chars: int = 2000
     file_mb: int = 16
+    folder_mb: int = 64
+    threads: int = 16
+    allow_missing: tuple[str, ...] = ()
+
+    def rlimits(self, namespaces: bool) -> dict[str, int]:
+        """The prelude's resource limits (soft = hard). The thread cap is the user's process count, which outside a
+        user namespace of its own counts every process of the user: there threads are capped by memory alone."""
+        memory, files, cpu = self.memory_mb << 20, self.file_mb << 20, math.ceil(self.timeout_s) + 1
+        limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": cpu, "RLIMIT_FSIZE": files, "RLIMIT_NOFILE": 64,
+                  "RLIMIT_CORE": 0, "RLIMIT_MEMLOCK": 0, "RLIMIT_MSGQUEUE": 0, "RLIMIT_STACK": 8 << 20}
+        if namespaces:
+            limits["RLIMIT_NPROC"] = self.threads
+        return limits
 
 
-def _isolate(limits: Limits) -> None:
-    """In the child, before exec: resource limits, a new session, and a network namespace where allowed."""
-    os.setsid()
-    memory = limits.memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    cpu = int(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    files = limits.file_mb << 20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (files, files))
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
-    libc.unshare(flags)  # best effort: the audit hook refuses sockets either way
+ENVIRONMENT = {"HOME": confinement.FOLDER, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONUTF8": "1",
+               "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}  # the code's whole environment: nothing of the trainer's
 
 
-def run_python(code: str, limits: Limits = Limits()) -> str:
-    """The code's output (stdout, then stderr's last lines if it failed), or an `error: ...` line saying which
-    limit stopped it; never raises for anything the code does."""
-    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as folder:
-        Path(folder, "main.py").write_text(code, encoding="utf-8")
-        try:
-            proc = subprocess.run([sys.executable, "-I", "-c", PRELUDE], cwd=folder, capture_output=True, text=True,
-                                  timeout=limits.timeout_s, preexec_fn=lambda: _isolate(limits),
-                                  env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return f"error: the code ran past its {limits.timeout_s:g} s limit and was stopped"
-    out = proc.stdout
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
+def _command(limits: Limits, use: list[str], host_folder: str, bpf_fd: int, ready_fd: int) -> tuple[list[str], dict]:
+    """The argv and environment that start the prelude, inside bubblewrap's namespaces where they are used."""
+    namespaces = "namespaces" in use
+    folder = confinement.FOLDER if namespaces else host_folder
+    settings = {**confinement.prelude_settings(folder, use), "rlimits": limits.rlimits(namespaces),
+                "bpf_fd": bpf_fd, "ready_fd": ready_fd}
+    prelude = f"{confinement.LIB}/{confinement.PRELUDE.name}" if namespaces else str(confinement.PRELUDE)
+    python = [sys.executable, "-S", prelude, json.dumps(settings)]
+    if not namespaces:
+        return python, {**ENVIRONMENT, "HOME": host_folder}
+    args = confinement.bwrap_args(limits.folder_mb << 20, (bpf_fd, ready_fd))
+    for name, value in ENVIRONMENT.items():
+        args += ["--setenv", name, value]
+    return [*args, "--", *python], {}
+
+
+def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool]:
+    """stdout's first `cap` bytes and stderr's last `cap`, read until both close or the deadline (True: passed);
+    the rest is read and dropped, so the pipes never fill and the trainer never holds more than this."""
+    out, err = bytearray(), bytearray()
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(out), bytes(err), True
+            for key, _ in sel.select(timeout=left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif key.data is out:
+                    out += chunk[: max(0, cap - len(out))]
+                else:
+                    err += chunk
+                    del err[:-cap]
+    return bytes(out), bytes(err), False
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The whole sandbox: bubblewrap's process group (its namespace dies with it) or the interpreter's."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _result(returncode: int, out: str, err: str, limits: Limits) -> str:
+    if returncode != 0:
+        lines = err.strip().splitlines()
         tail = lines[-1] if lines else ""  # the exception's own line
-        if proc.returncode in (-9, -24) or "CPU time" in tail:  # SIGKILL / SIGXCPU
+        if returncode in (-signal.SIGKILL, -signal.SIGXCPU) or "CPU time" in tail:
             tail = tail or f"the code used more than its CPU time limit ({limits.timeout_s:g} s)"
         if "MemoryError" in tail:
             tail = f"MemoryError: the code tried to use more than {limits.memory_mb} MB"
-        out = (out + "\n" if out else "") + f"error: {tail or f'exit status {proc.returncode}'}"
+        out = (out + "\n" if out else "") + f"error: {tail or f'exit status {returncode}'}"
     if len(out) > limits.output_chars:
         out = out[: limits.output_chars] + f"\n... (output cut at {limits.output_chars} characters)"
     return out.strip()
+
+
+def run_python(code: str, limits: Limits = Limits()) -> str:
+    """The code's output (stdout, then stderr's last line if it failed), or an `error: ...` line saying which limit
+    stopped it; never raises for anything the code does. Raises `SandboxUnavailable` where the machine cannot
+    confine it as `limits.allow_missing` asks."""
+    use = confinement.mechanisms(limits.allow_missing)
+    program = confinement.seccomp_program() if "seccomp" in use else b""
+    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as host_folder:
+        bpf_read, bpf_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        argv, env = _command(limits, use, host_folder, bpf_read, ready_write)
+        try:
+            proc = subprocess.Popen(argv, cwd=host_folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=(bpf_read, ready_write),
+                                    start_new_session=True)
+        finally:
+            os.close(bpf_read)
+            os.close(ready_write)
+        with os.fdopen(bpf_write, "wb") as f:  # a few KB: below any pipe's buffer
+            f.write(program)
+        deadline = time.monotonic() + limits.timeout_s
+        try:
+            proc.stdin.write(code.encode("utf-8", errors="replace"))
+            proc.stdin.close()
+        except BrokenPipeError:  # the prelude stopped before reading: its ready line says why
+            pass
+        cap = 4 * limits.output_chars + 4096
+        out, err, timed_out = _collect(proc, deadline, cap)
+        if timed_out:
+            _kill(proc)
+        else:
+            proc.wait()
+        with os.fdopen(ready_read, "r") as f:
+            ready = f.read()
+    if ready != "ok":  # the prelude could not confine: the host's problem, never the model's
+        detail = ready or err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise SandboxUnavailable(f"the Python sandbox could not start: {detail if isinstance(detail, str) else detail[0]}")
+    if timed_out:
+        return f"error: the code ran past its {limits.timeout_s:g} s limit and was stopped"
+    return _result(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), limits)

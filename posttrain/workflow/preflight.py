@@ -419,16 +419,22 @@ def reward_model_problem(source: str) -> str | None:
 
 
 def environment_problem(section: Mapping[str, Any]) -> tuple[str, str] | None:
-    """`environment.fn` names a built-in or a user class that loads and subclasses `posttrain.envs.Environment`."""
+    """`environment.fn` names a built-in or a user class that loads and subclasses `posttrain.envs.Environment`;
+    one that runs model-written code needs a machine that can confine it (`posttrain.envs.confinement`)."""
     if not section["fn"]:
         return None
-    from posttrain.envs import load_environment
+    from posttrain.envs import confinement, load_environment
 
     try:
-        load_environment(section["fn"])
+        cls = load_environment(section["fn"])
     except (ImportError, TypeError, ValueError, SyntaxError) as err:
         return "environment.fn", str(err)
-    return None
+    allow_missing = section["args"].get("allow_missing", [])
+    if not isinstance(allow_missing, list) or not set(allow_missing) <= set(confinement.MECHANISMS):
+        return ("environment.args.allow_missing", f"{allow_missing!r}: a list of the sandbox mechanisms it may run "
+                f"without ({', '.join(confinement.MECHANISMS)})")
+    why = confinement.problem(allow_missing) if cls.SANDBOXED else None
+    return ("environment.fn", f"{section['fn']}: {why}") if why else None
 
 
 def reward_problems(cfg: Mapping[str, Any], search: Sequence[str]) -> list[tuple[str, str]]:

@@ -1,7 +1,7 @@
 """Multi-turn environments: episodes are token-in/token-out (the model's tokens as sampled, the environment's turns
 as transformers' `apply_chat_template` renders them, the loss mask on the model's tokens only), tool calls parse
-in the template's convention, the built-in tools answer, and the Python sandbox turns every escape into an error
-observation while the run goes on."""
+in the template's convention, the built-in tools answer, and a tool's failure is an observation while the run goes
+on (the sandbox's escapes: tests/rl/test_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -129,21 +129,6 @@ def test_tool_errors_are_observations():
                                                       "error: calculate takes expression", "42"]
     assert not reply.done and env.step({"role": "assistant", "content": "#### 42"}).done
     assert calculate("9**9**9").startswith("error: Pow is not supported")
-
-
-@pytest.mark.parametrize("code,expected", [
-    ("while True: pass", "error: the code ran past its 2 s limit"),
-    ("x = bytearray(4 * 1024**3)", "error: MemoryError: the code tried to use more than 512 MB"),
-    ("open('/tmp/posttrain-sandbox-escape', 'w').write('x')", "error: PermissionError: sandbox: writing /tmp/posttrain-sandbox-escape"),
-    ("import socket; socket.create_connection(('127.0.0.1', 9))", "error: PermissionError: sandbox: socket."),
-    ("import subprocess; subprocess.run(['ls'])", "error: PermissionError: sandbox: subprocess.Popen is not allowed"),
-    ("import os; os.remove('/etc/hostname')", "error: PermissionError: sandbox: os.remove of /etc/hostname"),
-    ("raise ValueError('boom')", "error: ValueError: boom"),
-])
-def test_sandbox_turns_escapes_into_error_observations(code, expected):
-    result = run_python(code, Limits(timeout_s=2))
-    assert result.startswith(expected), result
-    assert not Path("/tmp/posttrain-sandbox-escape").exists()
 
 
 def test_sandbox_runs_code_in_its_own_folder_and_the_episode_goes_on():
