@@ -141,17 +141,19 @@ def run_python(code: str, limits: Limits = Limits()) -> str:
             proc.stdin.close()
         except BrokenPipeError:  # the prelude stopped before reading: its ready line says why
             pass
-        cap = 4 * limits.output_chars + 4096
-        out, err, timed_out = _collect(proc, deadline, cap)
+        out, err, timed_out = _collect(proc, deadline, 4 * limits.output_chars + 4096)
+        if not timed_out:
+            try:  # the pipes can close before the code ends (it may close them itself)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
         if timed_out:
             _kill(proc)
-        else:
-            proc.wait()
         with os.fdopen(ready_read, "r") as f:
             ready = f.read()
     if ready != "ok":  # the prelude could not confine: the host's problem, never the model's
-        detail = ready or err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        raise SandboxUnavailable(f"the Python sandbox could not start: {detail if isinstance(detail, str) else detail[0]}")
+        why = ready or (err.decode(errors="replace").strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise SandboxUnavailable(f"the Python sandbox could not start: {why}")
     if timed_out:
         return f"error: the code ran past its {limits.timeout_s:g} s limit and was stopped"
     return _result(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), limits)

@@ -74,6 +74,7 @@ def main() -> None:
         sys.exit(1)
     ready.write("ok")
     ready.close()
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # the ruleset's descriptor: stdio alone is left
     del settings, program, ready
     import site
 
