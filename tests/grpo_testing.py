@@ -43,9 +43,11 @@ def starting_policy(tmp: Path, seed: int | None = None, threads: int = 1) -> tup
 RANDOM_DATA = {**SMALL_DATA, "n_prompts": 32}
 
 
-def random_policy(tmp: Path, data_cfg: dict[str, Any] = RANDOM_DATA) -> tuple[Path, Path]:
-    """(data folder, model folder) of a small random model, for plumbing tests (pair with `length_reward`)."""
-    data = prepare_data(tmp, data_cfg)
+def random_policy(tmp: Path, data_cfg: dict[str, Any] = RANDOM_DATA,
+                  model_cfg: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """(data folder, model folder) of a small random model, for plumbing tests (pair with `length_reward`);
+    `model_cfg`: the model section's overrides data prep reads (its chat template)."""
+    data = prepare_data(tmp, data_cfg, model=model_cfg)
     tok = Tokenizer(data / "tokenizer")
     torch.manual_seed(0)
     hf = preset_config("tiny", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)

@@ -243,3 +243,64 @@ def test_the_evaluate_stage_scores_episodes(tmp_path, monkeypatch):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n_prompts"] == 6 and 1 <= metrics["turns_mean"] <= 3 and metrics["tool_calls_mean"] == 0
     assert 0.0 <= metrics["accuracy"] <= 1.0 and "pass@2" in metrics
+
+
+TOOL_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 1}], "n_sft": 0, "n_preference": 4,
+             "n_prompts": 32, "n_eval": 8, "max_seq_len": 384, "vocab_size": 400}
+
+
+def tool_demonstrations(path: Path) -> Path:
+    """Demonstrations of both built-in tools on the task's problems: half `calculate(a + b)`, half
+    `run_python("print(a + b)")`, each row offering its own tool, the result copied into `#### <answer>`."""
+    from posttrain.data.tasks import make_splits
+
+    rows = []
+    for i, row in enumerate(make_splits(TOOL_DATA["tasks"], {"sft": 64}, seed=11)["sft"]):
+        expression = row["prompt"].removeprefix("Compute ").removesuffix(".")
+        env = (Calculator if i % 2 else Python)({"prompt": ""})
+        name, arguments = ("calculate", {"expression": expression}) if i % 2 else \
+            ("run_python", {"code": f"print({expression})"})
+        result = calculate(expression)
+        rows.append({"messages": [{"role": "user", "content": row["prompt"]},
+                                  {"role": "assistant", "content": "", "tool_calls": [
+                                      {"type": "function", "function": {"name": name, "arguments": arguments}}]},
+                                  {"role": "tool", "name": name, "content": result},
+                                  {"role": "assistant", "content": f"#### {result}"}],
+                     "tools": env.tools()})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tool_calling_policy(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(data folder, model folder, data config): a small random model fine-tuned on `tool_demonstrations` until it
+    writes tool calls, so GRPO's episodes call the tools."""
+    from grpo_testing import random_policy
+    from sft_testing import resolved_config, run_sft
+
+    tmp = tmp_path_factory.mktemp("tool-calling")
+    data_cfg = {**TOOL_DATA, "sources": [{"kind": "sft", "path": str(tool_demonstrations(tmp / "demos.jsonl"))}]}
+    data, start = random_policy(tmp, data_cfg, {"chat_template": "chatml-tools"})
+    cfg = resolved_config("sft", "tool-calling", data=data_cfg, model={"policy": str(start), "chat_template": "chatml-tools"},
+                          sft={"steps": 200, "batch_size": 16, "lr": 3e-3, "warmup_steps": 5, "checkpoint_every": 1000})
+    run_sft(cfg, data, tmp / "tool-calling")
+    return data, tmp / "tool-calling", data_cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", ["python", "calculator"])
+def test_grpo_runs_tool_episodes(fn, tool_calling_policy, tmp_path):
+    """GRPO episodes with each built-in tool: the policy calls it, the tool's result comes back as a turn (the
+    Python tool's from the sandbox), and the model answers on the next turn."""
+    from grpo_testing import grpo_config, run_grpo, step_records
+
+    data, policy, data_cfg = tool_calling_policy
+    cfg = grpo_config(f"tools-{fn}", data=data_cfg, reward={"verifiers": ["task"]}, steps=2, prompts_per_step=4,
+                      group_size=4, max_new_tokens=48, eval_prompts=4, checkpoint_every=100, log_every=1, lr=1e-4,
+                      environment={"fn": fn, "max_turns": 2, "max_tokens": 120})
+    cfg["model"]["chat_template"] = "chatml-tools"
+    out = tmp_path / "grpo"
+    run_grpo(cfg, data, policy, out)
+    records = step_records(out)
+    assert len(records) == 2
+    assert all(r["tool_calls_mean"] > 0 and r["turns_mean"] > 1 for r in records), records
