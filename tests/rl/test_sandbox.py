@@ -515,3 +515,19 @@ def test_a_run_on_a_machine_that_cannot_confine_stops_instead_of_running_unconfi
         "posttrain.envs.confinement.SandboxUnavailable: the Python sandbox needs seccomp:")
     with pytest.raises(SandboxUnavailable, match="not a sandbox mechanism"):
         run_python("print(1)", Limits(allow_missing=("apparmor",)))
+
+
+def test_the_docs_sandbox_examples_pass_the_validator_the_dry_run_uses():
+    import re
+
+    import yaml
+
+    from posttrain.workflow.schema import load_config, merge, validate_config
+
+    text = (REPO / "docs" / "environments.md").read_text()
+    section = text[text.index("## The Python sandbox"):text.index("## Weight pushes")]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        cfg = validate_config(merge(load_config(), {"ablations": None, "pipeline": ["sft", "grpo"]}, yaml.safe_load(block)))
+        assert cfg["environment"]["fn"] == "python"
