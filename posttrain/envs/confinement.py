@@ -25,8 +25,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
+
+from posttrain.envs import sandbox_prelude  # imported so that its code is in the stage keys of what runs it
 
 MECHANISMS = ("namespaces", "seccomp", "landlock")
 WEAKER = {  # what each mechanism confines that is left to the others without it
@@ -40,7 +42,7 @@ LIB = "/.posttrain"  # the prelude and the landlock binding inside the namespace
 LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib")
 READ_FILES = ("/etc/ld.so.cache",)  # the dynamic loader's index, for libraries loaded after start-up
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
-PRELUDE = Path(__file__).with_name("sandbox_prelude.py")
+PRELUDE = Path(sandbox_prelude.__file__)
 
 CLONE_THREAD = 0x00010000
 DENIED_CALLS = (  # EPERM for each; calls this libseccomp or architecture does not know are skipped
@@ -113,7 +115,7 @@ def landlock_package() -> str:
     return os.path.dirname(os.path.realpath(landlock.__file__))
 
 
-def bwrap_args(folder_bytes: int, pass_fds: Sequence[int]) -> list[str]:
+def bwrap_args(folder_bytes: int) -> list[str]:
     """bubblewrap's arguments: every namespace, nothing inherited, read-only binds of what the interpreter needs, a
     fresh tmpfs of `folder_bytes` as the folder, the root read-only."""
     args = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -133,8 +135,6 @@ def bwrap_args(folder_bytes: int, pass_fds: Sequence[int]) -> list[str]:
         args += ["--dev-bind", device, device]
     args += ["--proc", "/proc", "--perms", "0777", "--size", str(folder_bytes), "--tmpfs", FOLDER,
              "--remount-ro", "/", "--chdir", FOLDER]
-    for fd in pass_fds:  # bwrap keeps inherited descriptors; these are the prelude's
-        os.set_inheritable(fd, True)
     return args
 
 

@@ -39,8 +39,9 @@ class Limits:
     allow_missing: tuple[str, ...] = ()
 
     def rlimits(self, namespaces: bool) -> dict[str, int]:
-        """The prelude's resource limits (soft = hard). The thread cap is the user's process count, which outside a
-        user namespace of its own counts every process of the user: there threads are capped by memory alone."""
+        """The prelude's resource limits (soft = hard). The thread cap is the user's process count: in the
+        sandbox's own user namespace it counts the sandbox's threads alone; outside one it would count every process
+        of the user, so there (and for root, whom the kernel exempts) threads are bounded by memory alone."""
         memory, files, cpu = self.memory_mb << 20, self.file_mb << 20, math.ceil(self.timeout_s) + 1
         limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": cpu, "RLIMIT_FSIZE": files, "RLIMIT_NOFILE": 64,
                   "RLIMIT_CORE": 0, "RLIMIT_MEMLOCK": 0, "RLIMIT_MSGQUEUE": 0, "RLIMIT_STACK": 8 << 20}
@@ -64,7 +65,7 @@ def _command(limits: Limits, use: list[str], host_folder: str, bpf_fd: int, read
     python = [sys.executable, "-S", prelude, json.dumps(settings)]
     if not namespaces:
         return python, {**ENVIRONMENT, "HOME": host_folder}
-    args = confinement.bwrap_args(limits.folder_mb << 20, (bpf_fd, ready_fd))
+    args = confinement.bwrap_args(limits.folder_mb << 20)  # bwrap passes on the descriptors it inherits
     for name, value in ENVIRONMENT.items():
         args += ["--setenv", name, value]
     return [*args, "--", *python], {}
