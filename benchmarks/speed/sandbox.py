@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
 import statistics
 import subprocess
@@ -83,7 +84,8 @@ def footer(calls: int, argv: list[str]) -> str:
     model, flags = cpu_model_and_flags()
     isa = ", ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2"
     command = shlex.join(["python", "benchmarks/speed/sandbox.py", *argv])
-    return (f"*{calls} calls per row, interleaved; {model} ({isa}), Python {sys.version.split()[0]}, "
+    return (f"*{calls} calls per row, interleaved, one at a time; {model} ({isa}), {os.cpu_count()} CPUs, "
+            f"Python {sys.version.split()[0]}, "
             f"{datetime.now(timezone.utc):%Y-%m-%d}, commit {(git_commit() or 'unknown')[:12]}; made by `{command}`.*")
 
 
