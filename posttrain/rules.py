@@ -96,6 +96,14 @@ def adapter_problems(stage: str, method: str, save: str, tp: int, base_is_preset
     return problems
 
 
+def environment_verifier_problem(environment_fn: str | None) -> str | None:
+    """The `environment` verifier returns an episode's reward from its environment: without one there is none."""
+    if not environment_fn:
+        return ("environment: scores a multi-turn episode by its environment's reward, and environment.fn is not "
+                "set; set environment.fn (docs/environments.md) or use another verifier")
+    return None
+
+
 def lm_eval_problem(tasks: Sequence[str], optional: bool) -> str | None:
     """lm-evaluation-harness tasks requested where the harness is not installed (unless `eval.lm_eval_optional`)."""
     if tasks and not optional and importlib.util.find_spec("lm_eval") is None:

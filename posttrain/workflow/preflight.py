@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import difflib
 import json
 import os
 import sys
@@ -50,6 +51,7 @@ from posttrain.data import reasoning_gym
 from posttrain.rules import (
     adapter_problems,
     batch_split_problem,
+    environment_verifier_problem,
     lm_eval_problem,
     optimizer_in_backward_problems,
     parallel_degrees_problem,
@@ -307,6 +309,11 @@ def verifier_problem(entry: str | Mapping[str, Any], search: Sequence[str], work
     example), or (completions, examples) when batched."""
     specs = reward_specs_module()
     spec = specs.reward_spec(entry)
+    if ":" not in spec.name and spec.name not in specs.BUILTIN_VERIFIERS:
+        close = difflib.get_close_matches(spec.name, specs.BUILTIN_VERIFIERS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (f"{spec.name}: not a built-in verifier{hint}; built-ins: {', '.join(specs.BUILTIN_VERIFIERS)}, or "
+                "name package.module:function or path/file.py:function")
     if spec.name in specs.BUILTIN_VERIFIERS:
         if spec.batched:
             return f"{spec.name}: a built-in verifier scores one completion at a time; drop batched: true"
@@ -452,6 +459,10 @@ def reward_problems(cfg: Mapping[str, Any], search: Sequence[str]) -> list[tuple
     task = task_verifier_problem(cfg, names)
     if task:
         problems.append(task)
+    if "environment" in names:
+        why = environment_verifier_problem(cfg["environment"]["fn"])
+        if why:
+            problems.append((f"reward.verifiers[{names.index('environment')}]", why))
     source = specs.pretrained_source(cfg["reward_model"]["source"])
     why = reward_model_problem(cfg["reward_model"]["source"]) if source is not None else None
     if why:

@@ -269,6 +269,18 @@ def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
     return problems + [Problem(key, message) for key, message in stage_rule_problems(cfg) + pipeline_problems(cfg) + path_problems(cfg)]
 
 
+def _schema_problems(cfg: dict[str, Any], validator: Any) -> list[Problem]:
+    """The schema's problems with `cfg` (its defaults filled in, in place)."""
+    return [p for error in validator.iter_errors(cfg) for p in _problems(error)]
+
+
+def schema_problems(cfg: Mapping[str, Any], schema: Mapping[str, Any] | None = None) -> list[Problem]:
+    """Keys, types and allowed values alone, without the cross-key rules and the files they read: what a config
+    shown in the docs must pass even where the files it names are the reader's own."""
+    root = schema if schema is not None else load_schema()
+    return sorted(_schema_problems(copy.deepcopy(dict(cfg)), _validator(root)), key=lambda p: p.key)
+
+
 def validate_config(
     cfg: Mapping[str, Any],
     where: str = "config",
@@ -285,7 +297,7 @@ def validate_config(
     out = copy.deepcopy(dict(cfg))
     validator = _validator(root)
     if only is None:
-        problems = [p for error in validator.iter_errors(out) for p in _problems(error)]
+        problems = _schema_problems(out, validator)
         out = _normalize_numbers(out, root, root)
     else:
         problems = []
