@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.model_files import read_safetensors, weight_files
-from posttrain.workflow.schema import load_config
+from posttrain.workflow.schema import load_config, validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT_SCRIPT = ROOT / "stages" / "sft.py"
@@ -32,6 +32,7 @@ def resolved_config(stage: str, key: str, data: dict[str, Any] | None = None, sf
     cfg["sft"].update(sft or {})
     for name, values in sections.items():
         cfg[name].update(values)
+    cfg = validate_config(cfg, where=f"the test's {stage} config")  # what snakemake would accept, and nothing else
     cfg.update(stage=stage, key=key, upstream={"prepare_data": "test-data"} if stage != "prepare_data" else {})
     return copy.deepcopy(cfg)
 

@@ -206,8 +206,8 @@ def test_lora_sft_and_dpo_train_and_their_adapter_only_outputs_load_with_peft(st
                "method": "lora", "lora": LORA}
     outs = {}
     for save in ("both", "adapter"):
-        cfg = resolved_config(stage, f"lora-{stage}-{save}", data=DATA, **{stage: {**section, "save": save}})
-        cfg["model"]["policy"] = str(setup["policy"])
+        cfg = resolved_config(stage, f"lora-{stage}-{save}", data=DATA, model={"policy": str(setup["policy"])},
+                              **{stage: {**section, "save": save}})
         outs[save] = run_stage_script(stage, cfg, setup["data"], setup["tmp"] / f"{stage}-{save}")
     losses = train_losses(metrics(outs["both"]))
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0] - 0.05, losses
