@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.utils.io import read_json
+from posttrain.utils.manifest import require_intact
 
 RESOLVED_KEYS = ("stage", "key", "upstream")  # every resolved config has them
 META_KEYS = (*RESOLVED_KEYS, "code", "files")  # what the workflow adds; readable without a declaration
@@ -165,4 +166,10 @@ def parse_inputs(stage: str, inputs: Mapping[str, str], optional: tuple[str, ...
             parser.add_argument(f"--{name}", action="append", default=[], help=f"{text} (repeatable)")
         else:
             parser.add_argument(f"--{name}", required=name not in optional, help=text)
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in inputs:  # an upstream output read as damaged weights or rows would train wrong in silence
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value and Path(value).is_dir():
+                require_intact(Path(value), f"the input --{name}")
+    return args

@@ -14,7 +14,7 @@ from posttrain.workflow.overrides import apply_command_line
 from posttrain.workflow.schema import load_schema, validate_config
 from posttrain.workflow.launch import RESOURCE_NAMES, command_prefix, job_resources, spec_from_resources
 from posttrain.workflow.plan import KEY_PATTERN, STAGE_DIRS, build_plan, canonical_json
-from posttrain.workflow.reasons import rerun_reasons
+from posttrain.workflow.reasons import changed_outputs, rerun_reasons
 from posttrain.workflow.stage_summary import summary_lines
 from posttrain.workflow.views import write_plan_files
 
@@ -46,8 +46,9 @@ RESULTS = PLAN.results
 # Next to each, <key>.run.json: loggers, resources, log and checkpoint cadence, read by the stage
 # but no rule input, so changing them reruns nothing.
 write_plan_files(RESULTS, PLAN.files())
-# A missing output whose stage has an output differing only in code: say which modules changed.
-for line in rerun_reasons(PLAN):
+# A missing output whose stage has an output differing only in code: say which modules changed; an output whose
+# files changed after its stage wrote them: name the file.
+for line in rerun_reasons(PLAN) + changed_outputs(PLAN):
     print(line, file=sys.stderr)
 # What each training stage will do (steps, rows and tokens per step, its split, epochs), said before any job
 # runs, so `snakemake -n` shows it (the Snakefile is read before Snakemake knows it is a dry run).

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from posttrain.model_files import resolve_model_source
+from posttrain.model_files import CheckpointError, resolve_model_source
 from posttrain.data.loader import Batches
 from posttrain.data.store import Split
 from posttrain.dpo.logprobs import pair_logprobs, reshard, score_pairs
@@ -36,6 +36,7 @@ from posttrain.models import Transformer, is_preset
 from posttrain.models.lora import disable_adapters
 from posttrain.parallel import barrier
 from posttrain.training.checkpointer import resume_dir
+from posttrain.utils.manifest import file_sha256
 
 if TYPE_CHECKING:
     from posttrain.training.harness import StageRun
@@ -72,8 +73,13 @@ def fingerprint(**parts: Any) -> str:
 
 
 def load_cache(path: Path, expected: str) -> dict[str, Tensor] | None:
-    """The cached tensors, or None when there is no cache or it belongs to other inputs."""
+    """The cached tensors, or None when there is no cache, it belongs to other inputs or its bytes are not those
+    written (its sha256 beside it: a damaged cache is computed again, to the same values)."""
     if not path.is_file():
+        return None
+    digest = _digest_path(path)
+    if not digest.is_file() or digest.read_text().strip() != file_sha256(path):
+        print(f"{path}: damaged or unverified (its bytes do not match {digest.name}); recomputing", flush=True)
         return None
     with safe_open(str(path), framework="pt") as f:
         found = (f.metadata() or {}).get(_FINGERPRINT_KEY)
@@ -89,7 +95,13 @@ def save_cache(path: Path, tensors: Mapping[str, Tensor], expected: str) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={_FINGERPRINT_KEY: expected})
+    _digest_path(tmp).write_text(file_sha256(tmp))
+    os.replace(_digest_path(tmp), _digest_path(path))
     os.replace(tmp, path)
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.sha256")
 
 
 class PrecomputedReference:
@@ -149,6 +161,11 @@ def reference_scores(run: StageRun, model: Transformer, head: OutputHead, train:
             ref = score_pairs(model, head, dataset, train.collate, rows_per_rank, run.device, desc, run.is_main)
             cached.update({f"{name}_chosen": ref.chosen, f"{name}_rejected": ref.rejected,
                            f"{name}_chosen_tokens": ref.chosen_tokens, f"{name}_rejected_tokens": ref.rejected_tokens})
+    for name, values in cached.items():
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            row = int((~torch.isfinite(values)).nonzero()[0, 0])
+            raise CheckpointError(f"{run.start_model()}: the reference model's log-probs ({name}) are NaN or inf from "
+                                  f"pair {row} on; DPO against them would train on NaN")
     if run.is_main and cached:
         save_cache(cache_path, cached, expected)
     barrier()

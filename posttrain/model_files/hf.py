@@ -139,6 +139,15 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or inf, with how many (None: every value finite)."""
+    for name, tensor in tensors.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return f"{name!r} ({int((~torch.isfinite(local)).sum())} of {local.numel()} values)"
+    return None
+
+
 def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state dict of `model` under its checkpoint's names: a native model's are already; transformers renames
     some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out)."""
@@ -162,6 +171,10 @@ def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Te
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config expects {tuple(expected[name].shape)}"
             )
+    bad = nonfinite_tensor(tensors)
+    if bad:
+        raise CheckpointError(f"{source}: tensor {bad} holds NaN or inf values; a model trained or scored from it "
+                              "would learn nothing but NaN")
     with torch.no_grad():
         for name, tensor in tensors.items():
             expected[name].copy_(tensor)

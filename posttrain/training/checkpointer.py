@@ -12,7 +12,12 @@ Layout of `<out>.resume/` (outside the declared output, so Snakemake never delet
                              (the one the last checkpoint names, and a newer best written since)
 
 A checkpoint is written into `step-N.tmp/` and renamed to `step-N/` once every rank is done, so
-a kill during saving leaves the previous checkpoint usable; only then are older ones removed.
+a kill during saving leaves the previous checkpoint usable. Each carries a manifest of its files'
+digests (`posttrain.utils.manifest`, hashed by every rank in parallel once the files are written),
+and the two newest are kept: a resume checks the newest against its manifest and, when a file was
+flipped, truncated or lost (a bad disk, a partial copy), falls back to the one before, saying so in
+one line; with none intact it stops naming the file. A full disk while saving stops the stage with
+one line naming the folder and the free space, the unfinished folder removed.
 Frozen parameters (LoRA / QLoRA bases) are rebuilt by setup, not saved.
 """
 
@@ -36,14 +41,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from posttrain.model_files.hf import nonfinite_tensor
 from posttrain.optim import load_optimizer_state_dict, optimizer_state_dict
-from posttrain.utils.io import refuse_other_run
+from posttrain.utils.io import DiskFullError, no_space_left, refuse_other_run
+from posttrain.utils.manifest import damage, file_records, folder_files, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _BEST_DIR = re.compile(r"^best-(\d{8})$")
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # Loading a state without the frozen parameters: they are reported missing, and checked below.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+KEEP = 2  # checkpoints kept: the newest, and the one to fall back to if the newest is found damaged
 
 
 class ResumeError(RuntimeError):
@@ -74,6 +82,32 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _gathered(value: Any) -> list[Any]:
+    """`value` of every rank, in rank order."""
+    if dist.is_available() and dist.is_initialized():
+        values: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+    return [value]
+
+
+def _from_rank0(value: Any) -> Any:
+    if dist.is_available() and dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _digest(folder: Path) -> None:
+    """`folder`'s manifest: every rank hashes a share of its files, rank 0 writes them down."""
+    rank, world = _rank_world()
+    names = folder_files(folder)
+    records = {k: v for part in _gathered(file_records(folder, names[rank::world])) for k, v in part.items()}
+    if rank == 0:
+        write_manifest(folder, records)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -137,10 +171,8 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0 and step < last_step
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint directory, if any."""
-        if not self.root.is_dir():
-            return None
-        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+        """The newest complete checkpoint directory, if any (not yet checked against its manifest)."""
+        steps = self._steps()
         return steps[-1] if steps else None
 
     def save(
@@ -165,21 +197,39 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = _states(model, optimizer, extra)
-        with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
-        if write_files is not None:
-            write_files(tmp)
-        record = {
-            "step": step,
-            "key": self.key,
-            "world_size": self.world_size,
-            "data": data_state,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": _rng_state(),
-        }
-        _write_json(tmp / f"rank-{self.rank}.json", record)
-        _barrier()
+        failed = None
+        try:
+            state = _states(model, optimizer, extra)
+            with _single_process_quiet():
+                dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
+            if write_files is not None:
+                write_files(tmp)
+            record = {
+                "step": step,
+                "key": self.key,
+                "world_size": self.world_size,
+                "data": data_state,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state(),
+            }
+            _write_json(tmp / f"rank-{self.rank}.json", record)
+        except Exception as err:
+            if not no_space_left(err):
+                raise
+            failed = DiskFullError.at(tmp, f"writing the checkpoint of step {step}; {self._previous()}")
+        failed = next((f for f in _gathered(failed) if f is not None), None)  # every rank stops, or none
+        if failed is None:
+            try:
+                _digest(tmp)
+            except OSError as err:
+                if not no_space_left(err):
+                    raise
+                failed = DiskFullError.at(tmp, f"writing the checkpoint of step {step}; {self._previous()}")
+            failed = next((f for f in _gathered(failed) if f is not None), None)
+        if failed is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left, under any name
+            raise failed
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -188,11 +238,47 @@ class Checkpointer:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            for old in self.root.iterdir():
-                if old != final and old.name.startswith("step-"):
-                    shutil.rmtree(old, ignore_errors=True)
+            for old in self._steps()[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
+
+    def _steps(self) -> list[Path]:
+        """The complete checkpoint folders, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+    def _previous(self) -> str:
+        latest = self.latest()
+        return f"the previous checkpoint {latest} is intact" if latest else "no checkpoint was written before it"
+
+    def kept_steps(self) -> list[int]:
+        """The steps of the checkpoints kept (a resume may fall back to any)."""
+        return [int(p.name.split("-")[1]) for p in self._steps()]
+
+    def _intact(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest, each damaged newer one said in a line (rank 0
+        checks, every rank takes its answer); raises when some exist and none is intact."""
+        found: Path | str | None = None
+        if self.rank == 0:
+            steps = self._steps()
+            problems = []
+            for path in reversed(steps):
+                why = damage(path)
+                if why is None:
+                    found = path
+                    break
+                problems.append(why)
+                print(f"checkpoint {path.name} is damaged: {why}; "
+                      f"{'falling back to the one before it' if path != steps[0] else 'no older one is kept'}",
+                      flush=True)
+            if steps and found is None:
+                found = f"{problems[0]}; no intact checkpoint to resume from: delete {self.root} to start over"
+        found = _from_rank0(found)
+        if isinstance(found, str):
+            raise ResumeError(found)
+        return found
 
     def load(
         self,
@@ -206,7 +292,7 @@ class Checkpointer:
         With none, the run starts over: live metrics that a killed run logged before its first
         checkpoint are dropped, or the new run's records would follow them.
         """
-        path = self.latest()
+        path = self._intact()
         if path is None:
             if self.rank == 0:
                 self.metrics_path.unlink(missing_ok=True)
@@ -231,6 +317,11 @@ class Checkpointer:
         state = _states(model, optimizer, extra)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
+        bad = [nonfinite_tensor(state[part]) for part in state if part.endswith("model")]
+        bad = next((b for rank in _gathered(bad) for b in rank if b), None)
+        if bad:
+            raise ResumeError(f"{path}: tensor {bad} holds NaN or inf values (written so, its digests match): resuming "
+                              f"would train on them; delete {path} to resume from the one before, or {self.root}")
         for name, (module, optim) in {"": (model, optimizer), **{f"{k}/": v for k, v in (extra or {}).items()}}.items():
             result = set_model_state_dict(module, state[f"{name}model"], options=_LOAD_OPTIONS)
             frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
@@ -260,6 +351,8 @@ class Checkpointer:
             dcp.save({"model": get_model_state_dict(model, options=_OPTIONS)}, checkpoint_id=tmp,
                      no_dist=self.world_size == 1)
         _barrier()
+        _digest(tmp)
+        _barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -271,20 +364,34 @@ class Checkpointer:
         if path is None or not path.is_dir():
             raise ResumeError(f"{path or self.root}: the best evaluation's weights are missing; delete {self.root} "
                               "and rerun the stage")
+        why = _from_rank0(damage(path) if self.rank == 0 else None)
+        if why:
+            raise ResumeError(f"{why}; the best evaluation's weights are damaged: delete {self.root} and rerun the stage")
         state = {"model": get_model_state_dict(model, options=_OPTIONS)}
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=self.world_size == 1)
         set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
 
     def prune_best(self, keep: int | None) -> None:
-        """Remove every `best-*/` but `best-<keep>/` (the one the current state names)."""
+        """Remove every `best-*/` but `best-<keep>/` (the one the current state names) and those the kept
+        checkpoints name (a resume may fall back to one of them)."""
         _barrier()
         if self.rank == 0 and self.root.is_dir():
+            named = {keep} | {self._named_best(path) for path in self._steps()}
+            wanted = {f"best-{step:08d}" for step in named if step is not None}
             for path in self.root.iterdir():
                 match = _BEST_DIR.match(path.name) or (path.name.endswith(".tmp") and path.name.startswith("best-"))
-                if match and (keep is None or path.name != f"best-{keep:08d}"):
+                if match and path.name not in wanted:
                     shutil.rmtree(path, ignore_errors=True)
         _barrier()
+
+    @staticmethod
+    def _named_best(checkpoint: Path) -> int | None:
+        """The best evaluation's step a checkpoint's state names (None: none, or unreadable)."""
+        try:
+            return json.loads((checkpoint / "rank-0.json").read_text())["data"]["selection"]["best_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def remove(self) -> None:
         """Delete the resume state once the final output is complete."""

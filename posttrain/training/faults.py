@@ -30,8 +30,9 @@ from posttrain.models import ModelConfigError
 from posttrain.tokenizer import TokenizerError
 from posttrain.training.checkpointer import ResumeError
 from posttrain.training.signals import StopOnSignal
-from posttrain.utils.io import OutputExistsError
-from posttrain.utils.metrics import LoggerUnavailableError
+from posttrain.utils.io import DiskFullError, OutputExistsError
+from posttrain.utils.manifest import DamagedFileError
+from posttrain.utils.metrics import LogDamagedError, LoggerUnavailableError
 
 KILL_AT_STEP_ENV = "POSTTRAIN_TEST_SIGKILL_AT_STEP"
 PAUSE_AT_ENV = "POSTTRAIN_TEST_PAUSE_AT"
@@ -128,6 +129,9 @@ KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     TokenizerError,
     LoggerUnavailableError,
     OutputExistsError,
+    DiskFullError,
+    DamagedFileError,
+    LogDamagedError,
     torch.OutOfMemoryError,
 )
 

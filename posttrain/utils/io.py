@@ -6,7 +6,7 @@ it to `<out>` only after every file is on disk.
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
 import shutil
@@ -14,6 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from posttrain.utils.manifest import file_sha256, write_manifest
+
+__all__ = ["DiskFullError", "OutputExistsError", "atomic_dir", "file_sha256", "no_space_left", "read_json",
+           "refuse_other_run"]
 
 PROVENANCE_FILE = "posttrain.json"
 
@@ -51,6 +56,33 @@ class OutputExistsError(FileExistsError):
     """The output path already holds a different run's results."""
 
 
+class DiskFullError(OSError):
+    """The disk filled while a stage wrote: the message names the folder, the free space and what is intact."""
+
+    @classmethod
+    def at(cls, path: Path, doing: str) -> DiskFullError:
+        usage = shutil.disk_usage(next((p for p in (path, *path.parents) if p.exists()), Path("/")))
+        return cls(errno.ENOSPC, f"{path}: no space left on device ({usage.free / 2**20:.1f} MiB free of "
+                                 f"{usage.total / 2**20:.1f} MiB) while {doing}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def no_space_left(err: BaseException | None) -> bool:
+    """Whether `err` (or what caused it, or a failure it gathers from other ranks) is a full disk."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict) and any(no_space_left(f) for f in failures.values()):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def refuse_other_run(out: str | Path, key: str | None) -> None:
     """Raise OutputExistsError when `out` is a non-empty directory of another run than `key`.
 
@@ -80,6 +112,7 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        write_manifest(tmp)  # what a later stage, or a dry run, checks it against
         _fsync_tree(tmp)
         if out.exists():
             refuse_other_run(out, _run_key(tmp))
@@ -90,8 +123,10 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
         else:
             tmp.rename(out)
         _fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if no_space_left(err) and not isinstance(err, DiskFullError):
+            raise DiskFullError.at(tmp, f"writing the output {out}; nothing is left under its name") from None
         raise
 
 
@@ -103,12 +138,3 @@ def read_json(path: Path, missing: str) -> Any:
         raise FileNotFoundError(f"{path}: missing; {missing}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
-
-
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a file's bytes, read a megabyte at a time (checkpoints run to gigabytes)."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -28,12 +28,36 @@ class LoggerUnavailableError(RuntimeError):
     """A configured logger whose package is not installed."""
 
 
+class LogDamagedError(ValueError):
+    """A log line before the last that is not a record: damage, not a kill mid-write; the message names it."""
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The records of an append-only JSON-lines log a resume reads. A kill during an append leaves its last line
+    cut short: that line is dropped, and said once. An earlier line that does not parse is damage: it raises,
+    naming the file and line."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").split("\n"), 1)
+             if line.strip()]
+    records = []
+    for number, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != lines[-1][0]:
+                raise LogDamagedError(f"{path}: line {number} is not a JSON record (damaged); delete {path.parent} "
+                                      "to start over") from None
+            print(f"{path}: dropped its last line, cut short by a kill during a write ({len(line)} bytes)", flush=True)
+    return records
+
+
 def truncate_after(path: Path, step: int) -> None:
-    """Keep only the records of `path` with `step <= step` (the state a checkpoint saw)."""
+    """Keep only the records of `path` with `step <= step` (the state a checkpoint saw), a torn last line dropped."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [r for r in read_log(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 def first_value(path: Path, key: str) -> float:

@@ -1,4 +1,5 @@
-"""Why a stage reruns under a new key when only code moved: the lines `snakemake -n` prints.
+"""Why a stage reruns under a new key when only code moved, and which outputs changed after they were written:
+the lines `snakemake -n` prints.
 
 Snakemake only sees that a planned output is missing. When an output of the same stage exists
 whose recorded config (`<key>.config.json`) equals the planned one except for its code record,
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.stage_config import CONFIG_SUFFIX
+from posttrain.utils.manifest import changed
 from posttrain.workflow.plan import KEY_VERSION, Job, Plan
 
 SHOWN_MODULES = 6  # a longer list ends with "and N more"
@@ -35,6 +37,19 @@ def rerun_reasons(plan: Plan) -> list[str]:
             previous = _same_but_code(job, folders[folder])
             if previous is not None:
                 lines.append(_reason(job, previous))
+    return lines
+
+
+def changed_outputs(plan: Plan) -> list[str]:
+    """One line per planned output that exists and whose files' sizes or times differ from its manifest's: it is
+    no longer what its stage wrote (Snakemake still takes it as done; deleting it reruns the stage)."""
+    lines = []
+    for jobs in plan.jobs.values():
+        for job in jobs.values():
+            why = changed(Path(job.path)) if Path(job.path).is_dir() else None
+            if why:
+                lines.append(f"{job.stage}: {why}; the later stages would read it as it is now: delete {job.path} "
+                             "to rerun the stage")
     return lines
 
 
