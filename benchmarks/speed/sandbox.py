@@ -76,8 +76,6 @@ def table(times: dict[str, list[float]]) -> str:
 
 
 def footer(calls: int, argv: list[str]) -> str:
-    import torch  # noqa: F401  (machine.py reads its version)
-
     from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
     from posttrain.utils.provenance import git_commit
 

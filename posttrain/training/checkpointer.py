@@ -213,7 +213,7 @@ class Checkpointer:
                 "rng": _rng_state(),
             }
             _write_json(tmp / f"rank-{self.rank}.json", record)
-        except Exception as err:
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
             if not no_space_left(err):
                 raise
             failed = DiskFullError.at(tmp, f"writing the checkpoint of step {step}; {self._previous()}")

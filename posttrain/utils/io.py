@@ -76,8 +76,11 @@ def no_space_left(err: BaseException | None) -> bool:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:
             return True
-        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict) and any(no_space_left(f) for f in failures.values()):
+        if not isinstance(err, OSError) and "(os error 28)" in str(err):  # safetensors' Rust writer: its errno in text
+            return True
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's: {rank: (exception, trace)}
+        if isinstance(failures, dict) and any(no_space_left(f[0] if isinstance(f, tuple) else f)
+                                              for f in failures.values()):
             return True
         err = err.__cause__ or err.__context__
     return False

@@ -4,7 +4,8 @@ Each case runs once uninterrupted and once as a chain of kills: SIGKILL after st
 checkpoint at 4: the rerun resumes from step 2), SIGKILL after step 4 (right after that checkpoint), then
 the rest. At both checkpoints the generators hold work in flight, sampled by policy versions older than the
 trainer's; the resumed runs must sample those tickets again with exactly those versions' weights. The
-cases: staleness bound 1 and 2 over two generators, DAPO's dynamic sampling (extra draws per step) with
+cases: staleness bound 1 and 2 over two generators (with 2, the newest checkpoint's generator weights are then
+damaged on disk: the last rerun falls back to the checkpoint before it, and still ends bitwise), DAPO's dynamic sampling (extra draws per step) with
 PPO (the critic) in one run, two trainer processes, and multi-turn episodes (guess-the-number: a ticket in
 flight is a whole episode, sampled again turn by turn with its version's weights; the environment is
 deterministic, so the resumed trajectories are the killed run's). About a minute each on 2 cores (mostly the
@@ -33,7 +34,7 @@ KILLS = (3, 4)  # just before the checkpoint at 4 (resumes from 2), right after 
 TIMING = {"generate_s", "train_s", "step_s", "samples_per_s", "trainer_idle_frac", "peak_memory_mb"}
 CASES: dict[str, dict[str, Any]] = {
     "staleness-1": {"max_staleness": 1},
-    "staleness-2": {"max_staleness": 2},
+    "staleness-2": {"max_staleness": 2, "damage": True},
     "dynamic-sampling-ppo": {"max_staleness": 1, "dynamic_sampling": True, "max_resamples": 2, "advantage": "gae",
                              "critic_lr": 1e-3},
     "two-trainers": {"max_staleness": 2, "nproc": 2},
@@ -59,7 +60,7 @@ def records(out: Path) -> list[dict[str, Any]]:
 
 def in_flight(out: Path) -> tuple[int, list[tuple[int, int]], list[str]]:
     """(step, in-flight (ticket, version) pairs, saved generator weights) of the checkpoint a killed run left."""
-    (checkpoint,) = [p for p in resume_dir(out).iterdir() if p.name.startswith("step-")]
+    checkpoint = max(p for p in resume_dir(out).iterdir() if p.name.startswith("step-"))  # the newest of those kept
     state = json.loads((checkpoint / "rank-0.json").read_text())["data"]["data"]
     saved = sorted(p.name for p in (checkpoint / "generator-weights").glob("*.pt"))
     return int(checkpoint.name.split("-")[1]), [tuple(x) for x in state.get("in_flight", [])], saved
@@ -70,6 +71,7 @@ def in_flight(out: Path) -> tuple[int, list[tuple[int, int]], list[str]]:
 def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metrics(case, request, tmp_path):
     settings = dict(CASES[case])
     nproc, environment = settings.pop("nproc", 1), settings.pop("environment", None)
+    damaged = settings.pop("damage", False)
     staleness, dynamic = settings["max_staleness"], settings.get("dynamic_sampling", False)
     # parity_reward leaves some groups flat (dynamic sampling draws again); length_reward varies in every group;
     # episodes: the game's reward and `format`
@@ -90,6 +92,12 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metric
         assert proc.returncode != 0 and not killed.exists(), proc.stderr[-3000:]
         outputs.append(proc.stdout)
         checkpoints.append(in_flight(killed))
+    if damaged:  # the newest checkpoint's weights of an in-flight version flipped on disk: resumed from the one before
+        newest = resume_dir(killed) / f"step-{2 * EVERY:08d}"
+        weights_file = sorted((newest / "generator-weights").glob("*.pt"))[0]
+        data_bytes = bytearray(weights_file.read_bytes())
+        data_bytes[len(data_bytes) // 2] ^= 0xFF
+        weights_file.write_bytes(bytes(data_bytes))
     outputs.append(run_grpo(cfg, data, model, killed, nproc=nproc, **env).stdout)
 
     # The resumed run ends with the uninterrupted run's weights and logged the same steps, bitwise.
@@ -106,7 +114,12 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_weights_and_metric
     start = weights(model)
     assert any(not torch.equal(start[k], a[k]) for k in start)
     assert "resuming from" not in outputs[0]
-    assert f"at step {EVERY}" in outputs[1] and f"at step {2 * EVERY}" in outputs[2]
+    assert f"at step {EVERY}" in outputs[1]
+    if damaged:
+        assert f"checkpoint step-{2 * EVERY:08d} is damaged: {weights_file}: its bytes differ" in outputs[2]
+        assert f"at step {EVERY}" in outputs[2]
+    else:
+        assert f"at step {2 * EVERY}" in outputs[2]
     assert [step for step, _, _ in checkpoints] == [EVERY, 2 * EVERY]
     steps = [r for r in expected if "samples" in r]
     for step, flight, saved in checkpoints:

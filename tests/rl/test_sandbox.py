@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from distill_testing import random_model_folder
+from test_damaged_state import DAMAGES
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV, exit_on_known_errors, explain_out_of_memory
 from posttrain.training.checkpointer import Checkpointer, resume_dir
@@ -224,6 +225,52 @@ def test_interrupted_run_resumes_bitwise_equal(stage, interrupt, reference, data
         summary = json.loads((out / "posttrain.json").read_text())["metrics"]
         assert summary["best_step"] in (2, 4) and summary["keep"] == "best" and summary["evaluations"] == 2
     assert not resume_dir(out).exists()
+
+
+# --- damaged state (issue 64; the other damaged-state cases: test_damaged_state.py, test_damaged_stages.py) ---
+
+
+def killed_after_step_3(stage: str, cfg: dict[str, Any], out: Path, data: Path, model: Path | None) -> None:
+    """The stage killed right after step 3, a checkpoint after every step: steps 2 and 3 are kept."""
+    proc = run_stage(stage, cfg, out, data, model, check=False, **{KILL_AT_STEP_ENV: "3"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert sorted(p.name for p in resume_dir(out).glob("step-*")) == ["step-00000002", "step-00000003"]
+
+
+def assert_same_run(out: Path, whole: Path) -> None:
+    a, b = weights(whole), weights(out)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert results_without_timing(metrics(out)) == results_without_timing(metrics(whole))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,name,how", [("sft", "__0_0.distcp", "flip"), ("dpo", "__0_0.distcp", "truncate"),
+                                            ("grpo", "rank-0.json", "flip"), ("distill", ".metadata", "truncate")])
+def test_a_damaged_checkpoint_resumes_from_the_one_before_to_the_uninterrupted_weights(stage, name, how, reference,
+                                                                                       data_dir, start_model, tmp_path):
+    """A checkpoint after every step (a run setting: the results are the uninterrupted run's with any cadence)."""
+    cfg = stage_config(stage, checkpoint_every=1)
+    out = tmp_path / "out"
+    killed_after_step_3(stage, cfg, out, data_dir, start_model)
+    damaged = resume_dir(out) / "step-00000003" / name
+    DAMAGES[how](damaged)
+    resumed = run_stage(stage, cfg, out, data_dir, start_model)
+    assert f"checkpoint step-00000003 is damaged: {damaged}" in resumed.stdout, resumed.stdout[-2000:]
+    assert "at step 2" in resumed.stdout
+    assert_same_run(out, reference(stage))
+
+
+@pytest.mark.slow
+def test_a_log_line_torn_by_a_kill_resumes_bitwise(reference, data_dir, tmp_path):
+    cfg = stage_config("sft", checkpoint_every=1)
+    out = tmp_path / "out"
+    killed_after_step_3("sft", cfg, out, data_dir, None)
+    log = resume_dir(out) / "metrics.jsonl"
+    with log.open("a") as f:  # what a kill during the next append leaves: part of a record, no newline
+        f.write('{"step": 4, "loss": 1.23')
+    resumed = run_stage("sft", cfg, out, data_dir, None)
+    assert resumed.stdout.count("dropped its last line, cut short by a kill during a write") == 1
+    assert_same_run(out, reference("sft"))
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over_with_fresh_metrics(tmp_path):

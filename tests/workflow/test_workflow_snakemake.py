@@ -30,7 +30,7 @@ TRAINING = ("prepare_data", "sft", "dpo", "reward", "grpo", "distill")
 
 FAKE_STAGE = textwrap.dedent('''
     """Test double of a stage script: the CLI contract of docs/architecture.md, no training."""
-    import argparse, json, os, pathlib, sys
+    import argparse, importlib, json, os, pathlib, sys
 
     READS = ()
     stage = pathlib.Path(sys.argv[0]).stem
@@ -53,6 +53,7 @@ FAKE_STAGE = textwrap.dedent('''
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True)
     (tmp / "posttrain.json").write_text(json.dumps({"stage": stage, "key": cfg["key"], "config": cfg}))
+    importlib.import_module("posttrain.utils.manifest").write_manifest(tmp)  # as real outputs; not in the copy's keys
     os.rename(tmp, out)
     with open(os.environ["FAKE_STAGE_LOG"], "a") as log:
         log.write(f"{stage} {cfg['key']}\\n")
@@ -275,3 +276,20 @@ def test_command_line_values_are_typed_by_the_schema(wf):
     assert not (wf.root / "results" / "dpo").exists()
     bad = wf.snakemake("-n", "--config", "set=sft.lrr=1", check=False)
     assert bad.returncode != 0 and "--config set=...: sft.lrr: is not a config key" in bad.output
+
+
+def test_a_dry_run_names_an_output_changed_after_its_stage_wrote_it(wf):
+    """Each output's manifest records its files' sizes and times: `snakemake -n` names a file edited or replaced
+    since (Snakemake still takes the output as done; deleting it reruns the stage), and an untouched tree says
+    nothing."""
+    local = ("--profile", "profiles/local")
+    wf.snakemake(*local)
+    quiet = wf.snakemake("-n", *local)
+    assert "changed after it was written" not in quiet.output
+    sft = next(p for p in (wf.root / "results" / "sft").iterdir() if p.is_dir())
+    (sft / "posttrain.json").write_text((sft / "posttrain.json").read_text() + " ")
+    dry = wf.snakemake("-n", *local)
+    lines = [line for line in dry.output.splitlines() if "changed after it was written" in line]
+    where = sft.relative_to(wf.root)  # the results folder, as the config names it
+    assert len(lines) == 1 and lines[0].startswith(f"sft: {where / 'posttrain.json'}: changed after it was written"), lines
+    assert lines[0].endswith(f"delete {where} to rerun the stage"), lines
