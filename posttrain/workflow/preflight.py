@@ -120,15 +120,13 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
         problems.append(("dpo.pairs", f"{cfg['dpo']['pairs']}: KTO (dpo.loss: kto) trains on the prepared unpaired "
                          "split; set dpo.pairs: offline"))
-    for stage in ADAPTER_SECTIONS:
-        if stage != "reward_model" or cfg["reward_model"]["source"] == "train":
-            # the reward model trains as one process: no tensor parallelism
-            problems += adapter_problems(stage, cfg[stage]["method"], cfg[stage]["save"],
-                                         1 if stage == "reward_model" else tp, _starts_from_preset(cfg, stage))
-    for stage in (*TRAINING_SECTIONS, "reward_model"):
-        if stage != "reward_model" or cfg["reward_model"]["source"] == "train":
-            problems += selection_problems(stage, cfg[stage])
-    for stage in TRAINING_SECTIONS:
+    running = [s for s in ADAPTER_SECTIONS if _runs(cfg, s)]  # a stage the pipeline leaves out refuses nothing
+    for stage in running:
+        # the reward model trains as one process: no tensor parallelism
+        problems += adapter_problems(stage, cfg[stage]["method"], cfg[stage]["save"],
+                                     1 if stage == "reward_model" else tp, _starts_from_preset(cfg, stage))
+        problems += selection_problems(stage, cfg[stage])
+    for stage in (s for s in TRAINING_SECTIONS if s in running):
         section = cfg[stage]
         world = _processes(section["resources"])
         if world < 1 or degrees:
@@ -163,6 +161,13 @@ def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
                          "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
     return problems
+
+
+def _runs(cfg: Mapping[str, Any], stage: str) -> bool:
+    """Whether the config runs `stage`: a training stage its pipeline names, the reward model when it trains one."""
+    if stage == "reward_model":
+        return cfg["reward_model"]["source"] == "train"
+    return stage in cfg["pipeline"]
 
 
 def _starts_from_preset(cfg: Mapping[str, Any], stage: str) -> bool:

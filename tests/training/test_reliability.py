@@ -348,7 +348,7 @@ def test_bad_data_row_names_file_row_and_field(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match=r"chats.jsonl: row 2: field response is missing"):  # the dry run says it first
         validate_config({"data": {"sources": raw}})
     sources = validate_config({"data": {"sources": raw, "on_bad_row": "skip"}})["data"]["sources"]
-    cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": sources}, validate=False)
+    cfg = resolved_config("prepare_data", "bad-rows", data={**SMALL_DATA, "sources": sources})
     out = tmp_path / "data"
     error = _run_main("prepare_data", ["--config", write_config(cfg, tmp_path / "c.json"), "--out", out],
                       monkeypatch, capsys)

@@ -57,6 +57,20 @@ def test_batches_that_do_not_split_over_the_processes_are_refused():
            "divide the world size 1" in text
 
 
+def test_the_rules_of_a_stage_the_pipeline_leaves_out_refuse_nothing():
+    """Tensor parallelism over SFT's two processes, as a one-stage pipeline: the other stages' one-process resources
+    and their settings are not refused, since they do not run; in the default pipeline they are, by name."""
+    one_stage = copy.deepcopy(BASE)
+    one_stage.update(pipeline=["sft"])
+    one_stage["parallel"]["tp"] = 2
+    one_stage["sft"]["resources"]["procs"] = 2
+    one_stage["dpo"]["method"] = "lora"  # refused with tp, but DPO does not run
+    assert validate_config(one_stage)["pipeline"] == ["sft"]
+    text = _problems(parallel={"tp": 2}, sft={"resources": {"procs": 2}}, dpo={"method": "lora"})
+    assert "sft.resources" not in text and "dpo.resources: 1 processes: parallel.tp (2)" in text
+    assert "dpo.method: lora: tensor parallelism does not support LoRA/QLoRA adapters" in text
+
+
 def test_expert_and_context_parallel_layouts_the_mesh_refuses_are_refused():
     text = _problems(parallel={"cp": 2, "ep": 2}, sft={"resources": {"procs": 4}})
     assert "parallel.ep: parallel.ep (2) and parallel.cp (2): expert and context parallelism do not combine yet" in text
