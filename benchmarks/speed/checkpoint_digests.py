@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _published
 
 SHAPES = {  # the tiny preset's architecture at these sizes
     "tiny": {},
@@ -40,12 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from _published import machine_line, publish
     from posttrain.models import Transformer, preset_config
-    from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
-    from posttrain.report.readme_table import replace_block
     from posttrain.training.checkpointer import Checkpointer, _digest, resume_dir
     from posttrain.utils.manifest import MANIFEST, damage
-    from posttrain.utils.provenance import git_commit
 
     torch.manual_seed(0)
     hf = {**preset_config("tiny"), **SHAPES[args.shape]}
@@ -84,16 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.shape}, {params / 1e6:.1f}M parameters, AdamW | {mib:,.0f} MiB | {save:.2f} s | "
         f"{digest:.2f} s ({digest / save:.0%}; {mib / digest:,.0f} MiB/s) | {check:.2f} s ({mib / check:,.0f} MiB/s) |",
     ])
-    cpu, flags = cpu_model_and_flags()
-    isa = ", ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2"
-    command = shlex.join(["python", "benchmarks/speed/checkpoint_digests.py", *words])
-    footer = (f"*median of {args.repeats} saves to {root.parent} (its filesystem); {cpu} ({isa}), {os.cpu_count()} CPUs, "
-              f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d}, commit "
-              f"{(git_commit() or 'unknown')[:12]}; made by `{command}`.*")
-    block = f"{table}\n\n{footer}"
-    print(block)
-    if args.update:
-        args.update.write_text(replace_block(args.update.read_text(), block, str(args.update), "checkpoint-digests"))
+    footer = machine_line("benchmarks/speed/checkpoint_digests.py", words,
+                          f"median of {args.repeats} saves to {root.parent} (its filesystem); torch {torch.__version__}")
+    publish(table, footer, args.update, "checkpoint-digests")
     return 0
 
 

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 CODE = "print(sum(range(1000)))"
 
 
@@ -75,18 +73,6 @@ def table(times: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-def footer(calls: int, argv: list[str]) -> str:
-    from posttrain.report.machine import ISA_FLAGS, cpu_model_and_flags
-    from posttrain.utils.provenance import git_commit
-
-    model, flags = cpu_model_and_flags()
-    isa = ", ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2"
-    command = shlex.join(["python", "benchmarks/speed/sandbox.py", *argv])
-    return (f"*{calls} calls per row, interleaved, one at a time; {model} ({isa}), {os.cpu_count()} CPUs, "
-            f"Python {sys.version.split()[0]}, "
-            f"{datetime.now(timezone.utc):%Y-%m-%d}, commit {(git_commit() or 'unknown')[:12]}; made by `{command}`.*")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=40)
@@ -94,16 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update", type=Path, metavar="FILE", help="write the table between FILE's sandbox markers")
     args = parser.parse_args(argv)
     words = sys.argv[1:] if argv is None else list(argv)
+    from _published import machine_line, publish
     from posttrain.envs.sandbox import run_python
-    from posttrain.report.readme_table import replace_block
 
     rows = {"bare interpreter (python -S)": bare("-S"), "bare interpreter with site-packages": bare(),
             f"sandbox before ({args.before}: audit hook, rlimits, network namespace)": before_sandbox(args.before),
             "sandbox now (namespaces, seccomp, Landlock, rlimits)": run_python}
-    block = f"{table(measure(rows, args.calls))}\n\n{footer(args.calls, words)}"
-    print(block)
-    if args.update:
-        args.update.write_text(replace_block(args.update.read_text(), block, str(args.update), "sandbox"))
+    footer = machine_line("benchmarks/speed/sandbox.py", words, f"{args.calls} calls per row, interleaved, one at a "
+                          f"time; Python {sys.version.split()[0]}")
+    publish(table(measure(rows, args.calls)), footer, args.update, "sandbox")
     return 0
 
 
