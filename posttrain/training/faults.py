@@ -30,7 +30,7 @@ from posttrain.models import ModelConfigError
 from posttrain.tokenizer import TokenizerError
 from posttrain.training.checkpointer import ResumeError
 from posttrain.training.signals import StopOnSignal
-from posttrain.utils.io import DiskFullError, OutputExistsError
+from posttrain.utils.io import DiskFullError, OutputExistsError, no_space_left
 from posttrain.utils.manifest import DamagedFileError
 from posttrain.utils.metrics import LogDamagedError, LoggerUnavailableError
 
@@ -143,7 +143,12 @@ def exit_on_known_errors(stage: str, extra: tuple[type[BaseException], ...] = ()
     Anything else keeps its traceback: it is a bug to report, not a setting to change.
     """
     try:
-        yield
+        try:
+            yield
+        except OSError as e:  # a full disk under any other write (a log line): said as the writes above say it
+            if no_space_left(e) and not isinstance(e, DiskFullError):
+                raise DiskFullError.at(Path(e.filename or "."), "writing") from None
+            raise
     except KNOWN_ERRORS + extra as e:
         # Finish open progress bars first (tqdm's registry of them), so the error line stands alone and
         # last, not glued to a bar and followed by its final redraw at exit.

@@ -180,3 +180,15 @@ def test_write_manifest_is_atomic_and_lists_every_file(tmp_path):
     files = json.loads((tmp_path / MANIFEST).read_text())["files"]
     assert sorted(files) == ["b", "sub/a"] and files["b"]["size"] == 2
     assert not (tmp_path / f"{MANIFEST}.tmp").exists()
+
+
+def test_a_full_disk_under_any_other_write_ends_the_stage_in_one_line(tmp_path, capsys):
+    from posttrain.training.faults import exit_on_known_errors
+
+    log = tmp_path / "metrics.jsonl"
+    with pytest.raises(SystemExit) as stop:
+        with exit_on_known_errors("sft"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(log))
+    assert stop.value.code == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"sft: error: {log}: no space left on device (") and "\n" not in error
