@@ -26,7 +26,8 @@ Weights are evaluated in float32, in one process (GPU if there is one).
 
 Output (written to a temporary sibling and renamed when complete):
     metrics.json    the numbers above, overall and under `per_task`
-    samples.jsonl   the first prompts' greedy and sampled completions with their scores
+    samples.jsonl   the first prompts' greedy and sampled completions with their scores (with an environment, each
+                    episode whole: the prompt it opened with, every turn, the messages)
     lm_eval.log     the harness's output, when it ran
     posttrain.json  provenance
 """
@@ -137,22 +138,32 @@ def preference_metrics(model: Transformer | HFCausalLM, model_dir: Path | None, 
     return metrics
 
 
+Generated = tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list, list[dict[str, Any]]]
+
+
 def completions(backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]], examples: list[dict[str, Any]],
-                params: SamplingParams, seed: int, desc: str) -> tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list]:
-    """One completion per prompt: (tokens, finish reasons, texts, the rows to score them with, no episode counts)."""
+                params: SamplingParams, seed: int, desc: str) -> Generated:
+    """One completion per prompt: (tokens, finish reasons, texts, the rows to score them with, no episode counts,
+    what samples.jsonl shows of each: the prompt the model saw and its completion)."""
     tokens, reasons = complete(backend, prompts, params, seed, desc)
-    return tokens, reasons, tok.decode_batch(tokens), examples, []
+    texts = tok.decode_batch(tokens)
+    shown = [{"prompt": tok.decode(p, skip_special_tokens=False), "completion": t} for p, t in zip(prompts, texts)]
+    return tokens, reasons, texts, examples, [], shown
 
 
 def episode_completions(episodes: EpisodeSettings, backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]],
-                        examples: list[dict[str, Any]], params: SamplingParams, seed: int,
-                        desc: str) -> tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list]:
+                        examples: list[dict[str, Any]], params: SamplingParams, seed: int, desc: str) -> Generated:
     """One episode per row (`environment`): what `completions` returns, the last model message as the text, the
-    rows with their episode's reward, and each episode's counts (the environment renders its own prompts)."""
+    rows with their episode's reward, each episode's counts, and each episode whole as the model saw it: the
+    prompt the environment opened with, then every turn (the model's and the environment's replies, as rendered)."""
     print(f"evaluate: {desc}: {len(examples)} episodes of {episodes.fn}", flush=True)
     trajectories = episodes.run(backend, tok, params, examples, seed)
+    shown = [{"prompt": tok.decode(t.prompt_ids, skip_special_tokens=False), "completion": t.final_text,
+              "episode": tok.decode(t.tokens, skip_special_tokens=False), "messages": t.messages, **t.counts()}
+             for t in trajectories]
     return ([t.tokens for t in trajectories], [t.finish_reason for t in trajectories],
-            [t.final_text for t in trajectories], scored_rows(trajectories, examples), [t.counts() for t in trajectories])
+            [t.final_text for t in trajectories], scored_rows(trajectories, examples), [t.counts() for t in trajectories],
+            shown)
 
 
 def nll_metrics(model: Transformer | HFCausalLM, data_dir: Path, seed: int) -> dict[str, Any]:
@@ -185,16 +196,16 @@ def main() -> None:
     backend = NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH)
     episodes = EpisodeSettings.from_config(cfg["environment"], os.getcwd())
     generate = completions if episodes is None else functools.partial(episode_completions, episodes)
-    greedy, greedy_reasons, greedy_text, greedy_rows, greedy_counts = generate(backend, tok, prompts, examples,
-                                                                                greedy_params, seed, "greedy")
+    greedy, greedy_reasons, greedy_text, greedy_rows, greedy_counts, greedy_shown = generate(
+        backend, tok, prompts, examples, greedy_params, seed, "greedy")
     greedy_scores = rewards.score(greedy_text, greedy_rows)
 
     n = ev["samples"]
     sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
                                    stop_token_ids=tok.eos_ids)
-    sampled, _, sampled_text, sampled_rows, _ = generate(backend, tok, [p for p in prompts for _ in range(n)],
-                                                          [ex for ex in examples for _ in range(n)], sample_params, seed,
-                                                          f"sampled x{n}")
+    sampled, _, sampled_text, sampled_rows, _, sampled_shown = generate(
+        backend, tok, [p for p in prompts for _ in range(n)], [ex for ex in examples for _ in range(n)], sample_params,
+        seed, f"sampled x{n}")
     sampled_scores = rewards.score(sampled_text, sampled_rows)
     sampled_correct = [rewards.correct(s) for s in sampled_scores]
 
@@ -225,10 +236,10 @@ def main() -> None:
             for i, r in enumerate(rows[:LOGGED_PROMPTS]):
                 f.write(json.dumps({
                     "id": r["example"].get("id"), "task": r["task"], "answer": r["example"].get("answer"),
-                    "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
-                    "completion": greedy_text[i], "finish_reason": greedy_reasons[i], "correct": results[i].correct,
+                    **greedy_shown[i], "finish_reason": greedy_reasons[i], "correct": results[i].correct,
                     "rewards": greedy_scores[i],
-                    "samples": [{"completion": sampled_text[j], "correct": sampled_correct[j]} for j in range(i * n, (i + 1) * n)],
+                    "samples": [{**{k: v for k, v in sampled_shown[j].items() if k != "prompt"},
+                                 "correct": sampled_correct[j]} for j in range(i * n, (i + 1) * n)],
                 }, ensure_ascii=False) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
         summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}

@@ -174,17 +174,26 @@ def test_micro_batches_train_only_the_models_tokens():
     assert batch.mask[0].sum() == 3
 
 
+@pytest.fixture(scope="module")
+def game_policy(tmp_path_factory) -> tuple[Path, Path]:
+    """(data folder, model folder): a policy that answers with a number and ends its turn (grpo_testing's
+    `turn_ending_policy`), so guess-the-number episodes run several turns."""
+    from grpo_testing import turn_ending_policy
+
+    return turn_ending_policy(tmp_path_factory.mktemp("game-policy"))
+
+
 @pytest.mark.slow
-def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(tmp_path):
+def test_grpo_runs_multi_turn_episodes_and_trains_on_the_models_tokens(game_policy, tmp_path):
     """GRPO with guess-the-number from a briefly fine-tuned policy (it answers with numbers and ends its turns;
     `format` beside the game's reward gives the groups a signal):
     episodes take several turns (the environment answers until the number is found), the metrics say so, and
     the run trains and writes its output."""
-    from grpo_testing import GAME_DATA, GUESS_NUMBER, grpo_config, run_grpo, step_records, turn_ending_policy
+    from grpo_testing import GAME_DATA, GUESS_NUMBER, grpo_config, run_grpo, step_records
     from sft_testing import weights
     from torch import equal as torch_equal
 
-    data, policy = turn_ending_policy(tmp_path)
+    data, policy = game_policy
     cfg = grpo_config("env", data=GAME_DATA, reward={"verifiers": ["environment", "format"]}, steps=2,
                       prompts_per_step=4, group_size=4, max_new_tokens=8, eval_prompts=4, checkpoint_every=100,
                       log_every=1, lr=1e-3, environment=GUESS_NUMBER)
@@ -215,34 +224,36 @@ def test_the_plan_and_the_dry_run_with_an_environment(tmp_path, monkeypatch):
         validate_config(merge(base, {"environment": {"fn": "calculater"}}))
 
 
-def test_the_evaluate_stage_scores_episodes(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_evaluate_stage_scores_episodes(game_policy, tmp_path, monkeypatch):
     """With an environment, evaluate's greedy and sampled completions are episodes: guess-the-number scored by the
-    environment's reward, with turns and tool calls in its metrics."""
+    environment's reward, with turns and tool calls in its metrics, and each episode logged whole."""
     from eval_fixtures import run_stage, write_config
-    from posttrain.model_files import save_hf_model
-    from posttrain.models import Transformer, preset_config
-    from sft_testing import prepare_data, resolved_config
+    from grpo_testing import GAME_DATA, GUESS_NUMBER
+    from sft_testing import resolved_config
 
-    import torch
-
-    data_cfg = {"n_sft": 40, "n_preference": 4, "n_prompts": 4, "n_eval": 6, "max_seq_len": 48, "vocab_size": 300}
-    data = prepare_data(tmp_path, data_cfg, model={"chat_template": "chatml-tools"})
-    tok = Tokenizer(data / "tokenizer")
-    torch.manual_seed(0)
-    hf = preset_config("tiny-student", tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    model = tmp_path / "model"
-    save_hf_model(Transformer(hf).state_dict(), hf, model)
-    from posttrain.utils.provenance import write_provenance
-    write_provenance(model, {"key": "m", "upstream": {}}, "sft", 0.0, {})
-    cfg = resolved_config("evaluate", "env-eval", data=data_cfg, reward={"verifiers": ["environment"]},
-                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 4, "lm_eval_tasks": []},
-                          environment={"fn": "guess_number", "max_turns": 3, "max_tokens": 40, "args": {"high": 4}})
+    data, model = game_policy
+    cfg = resolved_config("evaluate", "env-eval", data=GAME_DATA, reward={"verifiers": ["environment"]},
+                          eval={"n_prompts": 6, "samples": 2, "pass_k": [1, 2], "max_new_tokens": 8, "lm_eval_tasks": []},
+                          environment=GUESS_NUMBER)
     out = tmp_path / "eval"
     run_stage("evaluate", ["--config", write_config(tmp_path / "eval.json", cfg), "--data", data, "--model", model,
                            "--out", out], monkeypatch)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n_prompts"] == 6 and 1 <= metrics["turns_mean"] <= 3 and metrics["tool_calls_mean"] == 0
     assert 0.0 <= metrics["accuracy"] <= 1.0 and "pass@2" in metrics
+    # the log shows each episode as the model saw it: the game's opening, then every turn and every reply
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(logged) == 6 and sum(r["turns"] for r in logged) / 6 == pytest.approx(metrics["turns_mean"])
+    assert max(r["turns"] for r in logged) > 1  # episodes with replies to show
+    for record in [*logged, *(s for r in logged for s in r["samples"])]:
+        assert "I am thinking of a number from 1 to 4" in (record.get("prompt") or logged[0]["prompt"])
+        said = [m for m in record["messages"] if m["role"] == "assistant"]
+        assert len(said) == record["turns"] and record["completion"] == said[-1]["content"]
+        replies = [m["content"] for m in record["messages"][1:] if m["role"] == "user"]
+        assert len(replies) >= record["turns"] - 1 and set(replies) <= {"higher", "lower", "Answer with a number."}
+        for reply in replies:
+            assert f"<|im_start|>user\n{reply}<|im_end|>" in record["episode"]
 
 
 TOOL_DATA = {"tasks": [{"name": "arithmetic", "ops": ["add"], "digits": 1}], "n_sft": 0, "n_preference": 4,
