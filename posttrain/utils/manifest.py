@@ -17,6 +17,7 @@ from typing import Any
 
 
 MANIFEST = "manifest.json"
+NOT_WRITTEN = {MANIFEST, ".snakemake_timestamp"}  # the manifest itself, and what Snakemake adds to a finished folder
 
 
 def file_sha256(path: Path) -> str:
@@ -33,8 +34,9 @@ class DamagedFileError(ValueError):
 
 
 def folder_files(folder: Path) -> list[str]:
-    """Every file under `folder` but the manifest, as sorted relative paths."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """Every file under `folder` its writer wrote (not the manifest, nor Snakemake's marker), as sorted relative paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.relative_to(folder).as_posix() not in NOT_WRITTEN)
 
 
 def file_records(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
