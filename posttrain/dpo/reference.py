@@ -36,7 +36,7 @@ from posttrain.models import Transformer, is_preset
 from posttrain.models.lora import disable_adapters
 from posttrain.parallel import barrier
 from posttrain.training.checkpointer import resume_dir
-from posttrain.utils.manifest import file_sha256
+from posttrain.utils.manifest import file_digest
 
 if TYPE_CHECKING:
     from posttrain.training.harness import StageRun
@@ -74,11 +74,11 @@ def fingerprint(**parts: Any) -> str:
 
 def load_cache(path: Path, expected: str) -> dict[str, Tensor] | None:
     """The cached tensors, or None when there is no cache, it belongs to other inputs or its bytes are not those
-    written (its sha256 beside it: a damaged cache is computed again, to the same values)."""
+    written (its digest beside it: a damaged cache is computed again, to the same values)."""
     if not path.is_file():
         return None
     digest = _digest_path(path)
-    if not digest.is_file() or digest.read_text().strip() != file_sha256(path):
+    if not digest.is_file() or digest.read_text().strip() != file_digest(path):
         print(f"{path}: damaged or unverified (its bytes do not match {digest.name}); recomputing", flush=True)
         return None
     with safe_open(str(path), framework="pt") as f:
@@ -95,13 +95,13 @@ def save_cache(path: Path, tensors: Mapping[str, Tensor], expected: str) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={_FINGERPRINT_KEY: expected})
-    _digest_path(tmp).write_text(file_sha256(tmp))
+    _digest_path(tmp).write_text(file_digest(tmp))
     os.replace(_digest_path(tmp), _digest_path(path))
     os.replace(tmp, path)
 
 
 def _digest_path(path: Path) -> Path:
-    return path.with_name(f"{path.name}.sha256")
+    return path.with_name(f"{path.name}.blake3")
 
 
 class PrecomputedReference:

@@ -120,7 +120,7 @@ def test_reference_cache_roundtrip_and_invalidation(tmp_path, vocab):
     save_cache(path, tensors, key)
     loaded = load_cache(path, key)
     assert loaded is not None and all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.sha256"]  # no temporary file left
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.blake3"]  # no temporary file left
 
     assert load_cache(path, fingerprint(key="k", model=model_files(str(folder)), rows=25)) is None
     time.sleep(0.01)
@@ -131,7 +131,7 @@ def test_reference_cache_roundtrip_and_invalidation(tmp_path, vocab):
     damaged = bytearray(path.read_bytes())
     damaged[-1] ^= 0x01  # the last value's lowest bit: the file still parses, with another number in it
     path.write_bytes(bytes(damaged))
-    assert load_cache(path, key) is None  # its sha256 differs: computed again, never read
+    assert load_cache(path, key) is None  # its digest differs: computed again, never read
 
 
 def test_lora_online_reference_is_the_base_model(pairs, vocab):
