@@ -197,8 +197,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        failed = None
-        try:
+
+        def write_state() -> None:
             state = _states(model, optimizer, extra)
             with _single_process_quiet():
                 dcp.save(state, checkpoint_id=tmp, no_dist=self.world_size == 1)
@@ -213,23 +213,10 @@ class Checkpointer:
                 "rng": _rng_state(),
             }
             _write_json(tmp / f"rank-{self.rank}.json", record)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            if not no_space_left(err):
-                raise
-            failed = DiskFullError.at(tmp, f"writing the checkpoint of step {step}; {self._previous()}")
-        failed = next((f for f in _gathered(failed) if f is not None), None)  # every rank stops, or none
-        if failed is None:
-            try:
-                _digest(tmp)
-            except OSError as err:
-                if not no_space_left(err):
-                    raise
-                failed = DiskFullError.at(tmp, f"writing the checkpoint of step {step}; {self._previous()}")
-            failed = next((f for f in _gathered(failed) if f is not None), None)
-        if failed is not None:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left, under any name
-            raise failed
+
+        doing = f"writing the checkpoint of step {step}; {self._previous()}"
+        self._unless_disk_full(write_state, tmp, doing)
+        self._unless_disk_full(lambda: _digest(tmp), tmp, doing)
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -242,6 +229,22 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
+
+    def _unless_disk_full(self, write: Callable[[], None], tmp: Path, doing: str) -> None:
+        """`write()` on every rank; a full disk on any rank stops them all alike, `tmp` removed (nothing half-written
+        is left, under any name), with one line naming it and the free space."""
+        failed = None
+        try:
+            write()
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if not no_space_left(err):
+                raise
+            failed = DiskFullError.at(tmp, doing)
+        failed = next((f for f in _gathered(failed) if f is not None), None)
+        if failed is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise failed
 
     def _steps(self) -> list[Path]:
         """The complete checkpoint folders, oldest first."""
