@@ -16,14 +16,6 @@ rule all:
         [f"{RESULTS}/variants/{name}" for name in PLAN.variants],
 
 
-include: "workflow/rules/prepare_data.smk"
-include: "workflow/rules/sft.smk"
-include: "workflow/rules/dpo.smk"
-include: "workflow/rules/reward_model.smk"
-include: "workflow/rules/reward.smk"
-include: "workflow/rules/grpo.smk"
-include: "workflow/rules/distill.smk"
-include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/export.smk"
+include: "workflow/rules/stages.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/variants.smk"

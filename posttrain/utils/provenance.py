@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from posttrain.stage_config import as_dict
 from posttrain.utils.io import PROVENANCE_FILE, read_json
 
@@ -41,6 +39,8 @@ def write_provenance(out_dir: str | Path, cfg: Mapping[str, Any], stage: str, st
     `cfg` is recorded whole (a `StageConfig`'s resolved config and run settings, not only what the
     stage declared): what produced the output, for anyone reading it later.
     """
+    import torch  # only a stage writes provenance; the dry run reads it torch-free
+
     cfg = as_dict(cfg)
     now = time.time()
     record = {

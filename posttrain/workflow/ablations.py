@@ -30,9 +30,9 @@ from posttrain.workflow.schema import (
     schema_keys,
     schema_types,
     set_dotted,
-    suggest,
     validate_config,
 )
+from posttrain.workflow.did_you_mean import suggest
 
 DEFAULT_VARIANT = "default"
 VARIANT_COLUMN = "variant"

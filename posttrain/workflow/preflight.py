@@ -37,7 +37,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import difflib
 import json
 import os
 import sys
@@ -61,6 +60,7 @@ from posttrain.rules import (
     selection_problems,
 )
 from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
+from posttrain.workflow.did_you_mean import suggest
 from posttrain.workflow.inputs import code_search_path
 from posttrain.workflow.model_names import backend_problem, preset_names
 
@@ -247,8 +247,6 @@ def model_source_problem(source: str, model: bool = True, backend: str = "auto")
         return f"{source}: no such folder ({owner}/ is a folder here, so this names a path in it, not a hub id)"
     config = _hub_file(source, "config.json")
     if "/" not in source and config is None and _hub_file(source, "tokenizer.json") is None:
-        from posttrain.workflow.schema import suggest  # schema imports this module
-
         hint = suggest(source, preset_names()) or f" (presets: {', '.join(preset_names())})"
         return f"{source!r} is not a preset{hint}, a local folder or a hub id (owner/name)"
     if _offline() and config is None and _hub_file(source, "tokenizer.json") is None:
@@ -315,9 +313,8 @@ def verifier_problem(entry: str | Mapping[str, Any], search: Sequence[str], work
     specs = reward_specs_module()
     spec = specs.reward_spec(entry)
     if ":" not in spec.name and spec.name not in specs.BUILTIN_VERIFIERS:
-        close = difflib.get_close_matches(spec.name, specs.BUILTIN_VERIFIERS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return (f"{spec.name}: not a built-in verifier{hint}; built-ins: {', '.join(specs.BUILTIN_VERIFIERS)}, or "
+        return (f"{spec.name}: not a built-in verifier{suggest(spec.name, specs.BUILTIN_VERIFIERS)}; built-ins: "
+                f"{', '.join(specs.BUILTIN_VERIFIERS)}, or "
                 "name package.module:function or path/file.py:function")
     if spec.name in specs.BUILTIN_VERIFIERS:
         if spec.batched:

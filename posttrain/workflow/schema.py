@@ -10,7 +10,6 @@ float) so equal configs hash equally in stage keys.
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from posttrain.workflow.did_you_mean import suggest
 from posttrain.workflow.preflight import path_problems, pipeline_problems, stage_rule_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -159,12 +159,6 @@ def schema_types(node: Mapping[str, Any]) -> set[str]:
     values = node.get("enum", [node["const"]] if "const" in node else [])
     names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string"}
     return {names.get(type(v), "object") for v in values}
-
-
-def suggest(word: str, choices: Iterable[str]) -> str:
-    """` (did you mean 'x'?)` for a close match, else ``."""
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _show(value: Any) -> str:
