@@ -2,7 +2,7 @@
 
     python stages/dpo.py --config RESOLVED.json --data results/data/<key> --model results/sft/<key> --out results/dpo/<key>
     torchrun --nproc-per-node N stages/dpo.py ...
-    ... --pairs results/reward/<key>      # with dpo.pairs: on_policy (the folder's pairs.parquet, or a pairs file)
+    ... --pairs results/reward/<key>      # with dpo.pairs: on_policy (the folder's pairs.jsonl, or a pairs file)
 
 Reads the config keys in `READS` (and its run settings: loggers, `dpo.log_every`,
 `dpo.checkpoint_every`). Pairs are the prepared `preference` split (`dpo.pairs: offline`) or the
@@ -55,7 +55,7 @@ READS = ("seed", "model.policy", "model.dtype", "model.backend", "data.max_seq_l
 INPUTS = {
     "data": "prepared data folder (results/data/<key>)",
     "model": "starting model (also the reference): the output of the stage before dpo in `pipeline` (absent: model.policy)",
-    "pairs": "the reward stage's output folder (its pairs.parquet) or a pairs file (needed with dpo.pairs: on_policy)",
+    "pairs": "the reward stage's output folder (its pairs.jsonl) or a pairs file (needed with dpo.pairs: on_policy)",
 }
 
 
@@ -84,7 +84,7 @@ def training_pairs(args: argparse.Namespace, cfg: dict[str, Any], tok: Tokenizer
     if not args.pairs:
         raise DataError("dpo.pairs is on_policy: pass the reward stage's output folder (or its pairs file) with --pairs")
     given = Path(args.pairs)
-    pairs = given / "pairs.parquet" if given.is_dir() else given
+    pairs = given / "pairs.jsonl" if given.is_dir() else given
     dataset = on_policy_pairs(str(pairs), tok, cfg["data"])
     return Batches(dataset, micro, preference_collate(tok.pad_id), seed=cfg["seed"], rank=rank, world_size=size), [pairs]
 

@@ -34,7 +34,6 @@ Output (written to a temporary sibling and renamed when complete):
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -47,8 +46,7 @@ from posttrain.training.faults import run_main
 from posttrain.model_files import load_hf_model, resolve_model_source
 from posttrain.data.loader import eval_split_rows, length_multiple, sft_batches
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, implicit_preference_accuracy, task_metrics
-from posttrain.envs.episodes import EpisodeSettings, episode_metrics, scored_rows
-from posttrain.evaluation.completions import GENERATION_BATCH, complete
+from posttrain.envs.episodes import EpisodeSettings, episode_metrics
 from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
 from posttrain.losses.dpo import REFERENCE_FREE
 from posttrain.generation import SamplingParams
@@ -56,6 +54,7 @@ from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, is_preset
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.rewards.verifiers import Rewards, VerifierError
+from posttrain.rollouts import GENERATION_BATCH, Sample, Sampler, sample_in_calls, verifier_values
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import initial_model, model_config
@@ -138,32 +137,14 @@ def preference_metrics(model: Transformer | HFCausalLM, model_dir: Path | None, 
     return metrics
 
 
-Generated = tuple[list[list[int]], list[str], list[str], list[dict[str, Any]], list, list[dict[str, Any]]]
-
-
-def completions(backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]], examples: list[dict[str, Any]],
-                params: SamplingParams, seed: int, desc: str) -> Generated:
-    """One completion per prompt: (tokens, finish reasons, texts, the rows to score them with, no episode counts,
-    what samples.jsonl shows of each: the prompt the model saw and its completion)."""
-    tokens, reasons = complete(backend, prompts, params, seed, desc)
-    texts = tok.decode_batch(tokens)
-    shown = [{"prompt": tok.decode(p, skip_special_tokens=False), "completion": t} for p, t in zip(prompts, texts)]
-    return tokens, reasons, texts, examples, [], shown
-
-
-def episode_completions(episodes: EpisodeSettings, backend: NativeBackend, tok: Tokenizer, prompts: list[list[int]],
-                        examples: list[dict[str, Any]], params: SamplingParams, seed: int, desc: str) -> Generated:
-    """One episode per row (`environment`): what `completions` returns, the last model message as the text, the
-    rows with their episode's reward, each episode's counts, and each episode whole as the model saw it: the
-    prompt the environment opened with, then every turn (the model's and the environment's replies, as rendered)."""
-    print(f"evaluate: {desc}: {len(examples)} episodes of {episodes.fn}", flush=True)
-    trajectories = episodes.run(backend, tok, params, examples, seed)
-    shown = [{"prompt": tok.decode(t.prompt_ids, skip_special_tokens=False), "completion": t.final_text,
-              "episode": tok.decode(t.tokens, skip_special_tokens=False), "messages": t.messages, **t.counts()}
-             for t in trajectories]
-    return ([t.tokens for t in trajectories], [t.finish_reason for t in trajectories],
-            [t.final_text for t in trajectories], scored_rows(trajectories, examples), [t.counts() for t in trajectories],
-            shown)
+def shown(sample: Sample, tok: Tokenizer) -> dict[str, Any]:
+    """What samples.jsonl shows of a sample: the prompt the model saw and its completion; an episode whole (every
+    turn, the model's and the environment's replies, as rendered), its messages and counts."""
+    record = {"prompt": tok.decode(sample.prompt_ids, skip_special_tokens=False), "completion": sample.text}
+    if sample.is_episode:
+        record.update(episode=tok.decode(sample.tokens, skip_special_tokens=False), messages=sample.messages,
+                      **(sample.counts or {}))
+    return record
 
 
 def nll_metrics(model: Transformer | HFCausalLM, data_dir: Path, seed: int) -> dict[str, Any]:
@@ -193,25 +174,23 @@ def main() -> None:
     examples = [r["example"] for r in rows]
 
     greedy_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=0.0, stop_token_ids=tok.eos_ids)
-    backend = NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH)
-    episodes = EpisodeSettings.from_config(cfg["environment"], os.getcwd())
-    generate = completions if episodes is None else functools.partial(episode_completions, episodes)
-    greedy, greedy_reasons, greedy_text, greedy_rows, greedy_counts, greedy_shown = generate(
-        backend, tok, prompts, examples, greedy_params, seed, "greedy")
-    greedy_scores = rewards.score(greedy_text, greedy_rows)
+    sampler = Sampler(NativeBackend(model, tok.pad_id, max_batch_size=GENERATION_BATCH), tok,
+                      EpisodeSettings.from_config(cfg["environment"], os.getcwd()))
+    greedy = sample_in_calls(sampler, prompts, examples, greedy_params, seed, GENERATION_BATCH, "greedy")
+    greedy_scores = verifier_values(rewards, greedy, examples)
 
     n = ev["samples"]
     sample_params = SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=ev["temperature"],
                                    stop_token_ids=tok.eos_ids)
-    sampled, _, sampled_text, sampled_rows, _, sampled_shown = generate(
-        backend, tok, [p for p in prompts for _ in range(n)], [ex for ex in examples for _ in range(n)], sample_params,
-        seed, f"sampled x{n}")
-    sampled_scores = rewards.score(sampled_text, sampled_rows)
+    repeated = [ex for ex in examples for _ in range(n)]
+    sampled = sample_in_calls(sampler, [p for p in prompts for _ in range(n)], repeated, sample_params, seed,
+                              GENERATION_BATCH, f"sampled x{n}")
+    sampled_scores = verifier_values(rewards, sampled, repeated)
     sampled_correct = [rewards.correct(s) for s in sampled_scores]
 
     results = [
         PromptResult(task=r["task"], correct=rewards.correct(greedy_scores[i]), rewards=greedy_scores[i],
-                     length=len(greedy[i]), truncated=greedy_reasons[i] == "length",
+                     length=len(greedy[i].tokens), truncated=greedy[i].finish_reason == "length",
                      sample_correct=sum(sampled_correct[i * n : (i + 1) * n]))
         for i, r in enumerate(rows)
     ]
@@ -220,8 +199,8 @@ def main() -> None:
     if record["stage"] == BASE:
         metrics["source"] = record["source"]
     metrics.update(task_metrics(results, ev["pass_k"], n, rewards.weights))
-    if greedy_counts:  # multi-turn: the greedy episodes' turns, tool calls and malformed-call rate
-        metrics.update(episode_metrics(greedy_counts))
+    if sampler.episodes is not None:  # multi-turn: the greedy episodes' turns, tool calls and malformed-call rate
+        metrics.update(episode_metrics([s.counts for s in greedy]))
     metrics.update(nll_metrics(model, data_dir, seed))
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
                                       args.reference, device, cfg["model"]["backend"]))
@@ -236,9 +215,9 @@ def main() -> None:
             for i, r in enumerate(rows[:LOGGED_PROMPTS]):
                 f.write(json.dumps({
                     "id": r["example"].get("id"), "task": r["task"], "answer": r["example"].get("answer"),
-                    **greedy_shown[i], "finish_reason": greedy_reasons[i], "correct": results[i].correct,
+                    **shown(greedy[i], tok), "finish_reason": greedy[i].finish_reason, "correct": results[i].correct,
                     "rewards": greedy_scores[i],
-                    "samples": [{**{k: v for k, v in sampled_shown[j].items() if k != "prompt"},
+                    "samples": [{**{k: v for k, v in shown(sampled[j], tok).items() if k != "prompt"},
                                  "correct": sampled_correct[j]} for j in range(i * n, (i + 1) * n)],
                 }, ensure_ascii=False) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")

@@ -9,8 +9,11 @@ Reads the config keys in `READS`, in this order:
    end-of-turn token) at `reward.temperature`, with the `reward.backend` (`native`: the KV-cache
    sampler; `vllm`: vLLM where installed) from the policy GRPO starts from (`--model`, or
    `model.policy` when GRPO comes first in `pipeline`). Call c of the backend is seeded `seed + c`.
-2. Each sample is scored by every verifier in `reward.verifiers` (batched functions once over all
-   samples) and by the reward model: `--reward_model` (the reward_model stage's output, on the
+   With `environment.fn`, each sample is a multi-turn episode, run as GRPO runs it (`posttrain.rollouts`:
+   the environment's opening is the prompt, and the model's last message is what the verifiers score,
+   with the environment's reward in its row), so the pass rates and pairs describe what GRPO trains on.
+2. Each sample is scored as GRPO scores it (`posttrain.rollouts.RewardFunction`): by every verifier in
+   `reward.verifiers` (batched functions once over all samples) and by the reward model: `--reward_model` (the reward_model stage's output, on the
    policy's token ids) or a pretrained one named by `reward_model.source` (a folder or hub id, on
    the conversation its own chat template renders). Its reward is the weighted sum of the verifiers
    (each entry's `weight`) plus the reward model's score normalized per prompt
@@ -24,7 +27,8 @@ Reads the config keys in `READS`, in this order:
    band (a weak policy in a short pipeline), every prompt is kept so the pipeline goes on, and a
    warning on stderr and `grpo_prompts_fallback` in stats.json say so and why.
 4. On-policy pairs: for each prompt whose samples' rewards differ, the best sample (chosen) and the
-   worst (rejected); ties go to the earliest sample.
+   worst (rejected); ties go to the earliest sample. An episode pair is the environment's opening
+   (prompt) and every message after it on each side, with the episode's tools.
 
 One process (`reward.resources`: one node, at most one GPU). Resume state lives in `<out>.resume/`:
 every finished sampling call (each call is seeded on its own, so a rerun skips the finished ones
@@ -34,13 +38,16 @@ Output (written to a temporary sibling and renamed when complete; identical for 
     rollouts.parquet      one row per sample: prompt_index, prompt_id, sample, prompt (rendered
                           text), completion, prompt_ids, completion_ids, logprobs, finish_reason,
                           reward/<verifier> (its own value), with a reward model reward/rm (its raw
-                          score) and reward/rm_norm (normalized), reward, correct, policy_key
+                          score) and reward/rm_norm (normalized), reward, correct, policy_key; for
+                          episodes also episode (every token after the prompt, rendered), mask (the
+                          model's tokens) and messages (the conversation, JSON)
     pass_rates.parquet    one row per prompt: prompt_index, prompt_id, task, samples, correct,
                           pass_rate, reward_mean, reward_std
     grpo_prompts.parquet  the kept prompts, with the `prompts` split's columns (prompt_ids, id,
                           task, answer, example) plus prompt_index and pass_rate
-    pairs.parquet         prompt (messages), chosen, rejected (completion texts), their rewards,
-                          prompt_index, prompt_id: the `preference` source format DPO reads
+    pairs.jsonl           prompt (messages), chosen, rejected (completion texts, or an episode's messages,
+                          with tools), their rewards, prompt_index, prompt_id: the `preference`
+                          source format DPO reads
     stats.json            counts and means
     posttrain.json        provenance, with throughput (rollouts/s) and wall times
 """
@@ -48,20 +55,22 @@ Output (written to a temporary sibling and renamed when complete; identical for 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from posttrain.data.store import load_split
-from posttrain.generation import GenerationBackend, SamplingParams
+from posttrain.envs.episodes import EpisodeSettings, episode_metrics
+from posttrain.generation import SamplingParams
 from posttrain.generation.backend import build_backend
-from posttrain.rewards import Rewards, VerifierError
-from posttrain.rewards.sample_rewards import add_reward_model_scores, verifier_rewards
+from posttrain.rewards import VerifierError
 from posttrain.rewards.specs import pretrained_source
-from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass_rates, rollout_table
+from posttrain.rollouts import GENERATION_BATCH, RewardFunction, Sample, Sampler, sample_in_calls
+from posttrain.rl.curation import as_messages, best_vs_worst, grpo_prompts, pass_rates, rollout_table, write_pairs
 from posttrain.training.faults import kill_if_requested, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.result_log import ResultLog
@@ -71,9 +80,9 @@ from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
-# data.max_seq_len: the vLLM context; reward_model.source: a pretrained reward model; .normalize: its scale
-READS = ("seed", "model.policy", "model.backend", "data.max_seq_len", "reward", "reward_model.source", "reward_model.normalize")
-GENERATION_BATCH = 64  # sequences per native generate() call
+# data.max_seq_len: the vLLM context; environment: episodes; reward_model.source: a pretrained reward model; .normalize: its scale
+READS = ("seed", "model.policy", "model.backend", "data.max_seq_len", "reward", "environment", "reward_model.source",
+         "reward_model.normalize")
 VLLM_BATCH = 1024  # sequences per vLLM call: its scheduler batches them itself
 INPUTS = {
     "data": "prepare_data output (results/data/<key>)",
@@ -98,39 +107,28 @@ def sampler_code(run: StageRun, start: str) -> str:
     return backend_of(start, model_config(start, run.tokenizer), run.cfg["model"]["backend"])
 
 
-def sample(run: StageRun, model_dir: str, prompt_ids: list[list[int]], params: SamplingParams
-           ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """`k` completions per prompt, prompt after prompt (sample j of prompt i at index i * k + j).
+def sample(run: StageRun, sampler: Sampler, rows: list[dict[str, Any]], examples: list[dict[str, Any]],
+           params: SamplingParams) -> list[Sample]:
+    """`k` samples per prompt, prompt after prompt (sample j of prompt i at index i * k + j); with an environment,
+    episodes.
 
-    Call c of the backend is seeded `seed + c`; finished calls are kept in the resume state, so
-    a rerun after SIGTERM (or a kill) continues with the next one.
+    Call c of the backend is seeded `seed + c`; finished calls are kept in the resume state, so a rerun after
+    SIGTERM (or a kill) continues with the next one.
     """
-    reward, seed = run.cfg["reward"], run.cfg["seed"]
-    k = reward["samples_per_prompt"]
-    per_call = VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH
-    prompts_per_call = max(1, per_call // k)
-    starts = range(0, len(prompt_ids), prompts_per_call)
+    reward, k = run.cfg["reward"], run.cfg["reward"]["samples_per_prompt"]
+    per_call = max(1, (VLLM_BATCH if reward["backend"] == "vllm" else GENERATION_BATCH) // k) * k
+    calls = -(-len(rows) * k // per_call)
     log = ResultLog(run.out, "samples.jsonl", run.cfg["key"])
-    backend: GenerationBackend | None = None
-    with tqdm(total=len(prompt_ids), desc="sample", unit="prompt", dynamic_ncols=True, mininterval=1.0) as bar:
-        for call, start in enumerate(starts):
-            chunk = prompt_ids[start : start + prompts_per_call]
-            if call not in log.done:
-                if backend is None:  # only when a call is left (vLLM takes a while to start)
-                    max_len = run.cfg["data"]["max_seq_len"] + reward["max_new_tokens"]
-                    backend = build_backend(reward["backend"], model_dir, model_backend=run.cfg["model"]["backend"],
-                                            pad_id=run.tokenizer.pad_id, decode=run.tokenizer.decode, device=run.device,
-                                            seed=seed,
-                                            max_model_len=max_len, max_batch_size=GENERATION_BATCH,
-                                            setting="reward.backend")
-                out = backend.generate([p for p in chunk for _ in range(k)], params, seed + call)
-                log.add(call, [out.tokens, out.logprobs, out.finish_reasons])
-                if call + 1 < len(starts) and run.stop.requested():
-                    run.stop.exit(call, log.path)
-                kill_if_requested(call + 1)  # tests: sampling call c is "step" c + 1
-            bar.update(len(chunk))
-    done = [log.done[call] for call in range(len(starts))]
-    return [t for d in done for t in d[0]], [lp for d in done for lp in d[1]], [r for d in done for r in d[2]]
+
+    def logged(call: int, samples: list[Sample]) -> None:
+        log.add(call, [s.to_json() for s in samples])
+        if call + 1 < calls and run.stop.requested():
+            run.stop.exit(call, log.path)
+        kill_if_requested(call + 1)  # tests: sampling call c is "step" c + 1
+
+    return sample_in_calls(sampler, [list(r["prompt_ids"]) for r in rows for _ in range(k)],
+                           [e for e in examples for _ in range(k)], params, run.cfg["seed"], per_call, "sample",
+                           done=log.done, after_call=logged)
 
 
 def main() -> None:
@@ -148,26 +146,23 @@ def main() -> None:
     key = policy_key(start)
     timing: dict[str, float] = {}
 
-    rewards = Rewards(reward["verifiers"])
+    sampler = Sampler(lambda: build_backend(
+        reward["backend"], start, model_backend=cfg["model"]["backend"], pad_id=tok.pad_id, decode=tok.decode,
+        device=run.device, seed=cfg["seed"], max_model_len=cfg["data"]["max_seq_len"] + reward["max_new_tokens"],
+        max_batch_size=GENERATION_BATCH, setting="reward.backend"),
+        tok, EpisodeSettings.from_config(cfg["environment"], os.getcwd()))
+    pretrained = pretrained_source(cfg["reward_model"]["source"])
+    score = RewardFunction(reward["verifiers"], args.reward_model, 1.0 if args.reward_model or pretrained else 0.0,
+                           tok.pad_id, pretrained, cfg["reward_model"]["normalize"], device=str(run.device))
 
-    # 1./2. samples and their rewards
+    # 1./2. samples and their rewards (the reward model's normalized score weighs 1)
     params = SamplingParams(max_new_tokens=reward["max_new_tokens"], temperature=reward["temperature"],
                             stop_token_ids=tok.eos_ids)
-    prompt_ids = [list(r["prompt_ids"]) for r in rows]
     t0 = time.perf_counter()
-    tokens, logprobs, reasons = sample(run, start, prompt_ids, params)
+    samples = sample(run, sampler, rows, examples, params)
     timing["sample_s"] = time.perf_counter() - t0
-    completions = tok.decode_batch(tokens)
-    components = verifier_rewards(completions, examples, k, rewards)
-    totals = [rewards.total(c) for c in components]
-    correct = [rewards.correct(c) for c in components]
-    add_reward_model_scores(components, prompt_ids, tokens, completions, examples, k, args.reward_model,
-                            pretrained_source(cfg["reward_model"]["source"]), cfg["reward_model"]["normalize"],
-                            tok.pad_id, run.device)
-    if "rm_norm" in components[0]:  # weight 1: the reward model's normalized score
-        totals = [t + c["rm_norm"] for t, c in zip(totals, components)]
-    rollouts = rollout_table(rows, prompt_ids, tokens, logprobs, reasons, completions, components, totals, correct,
-                             k, tok, key)
+    totals, correct, components = score.scores(samples, [e for e in examples for _ in range(k)], k, list(range(n)))
+    rollouts = rollout_table(rows, samples, components, totals, correct, k, tok, key)
 
     # 3./4. GRPO prompts and on-policy pairs
     rates = pass_rates(rollouts, rows, k)
@@ -175,15 +170,15 @@ def main() -> None:
     if fallback:
         print(f"{STAGE}: warning: {fallback}", file=sys.stderr, flush=True)
     kept = pd.DataFrame(rows)[keep.to_numpy()].assign(prompt_index=rates["prompt_index"][keep], pass_rate=rates["pass_rate"][keep])
-    pairs = best_vs_worst(rollouts, {i: as_messages(examples[i]["prompt"]) for i in range(n)})
+    pairs = best_vs_worst(rollouts, samples, {i: as_messages(examples[i]["prompt"]) for i in range(n)})
 
-    lengths = [len(t) for t in tokens]
+    lengths = [len(s.tokens) for s in samples]
     stats = {
         "policy_key": key,
         "backend": reward["backend"],
         "n_prompts": n,
         "samples_per_prompt": k,
-        "rollouts": len(tokens),
+        "rollouts": len(samples),
         "reward_mean": float(rollouts["reward"].mean()),
         "reward_mean_by_component": {name: float(rollouts[f"reward/{name}"].mean()) for name in components[0]},
         "correct_rate": float(rollouts["correct"].mean()),
@@ -195,15 +190,17 @@ def main() -> None:
         "grpo_prompts_fallback": fallback,
         "pairs": len(pairs),
         "response_len_mean": statistics.fmean(lengths),
-        "truncated": statistics.fmean(r == "length" for r in reasons),
+        "truncated": statistics.fmean(s.finish_reason == "length" for s in samples),
     }
-    timing["rollouts_per_s"] = len(tokens) / timing["sample_s"]
+    if sampler.episodes is not None:  # multi-turn: turns, tool calls and malformed tool calls per episode
+        stats.update(episode_metrics([s.counts for s in samples]))
+    timing["rollouts_per_s"] = len(samples) / timing["sample_s"]
     timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
     with atomic_dir(args.out) as out:
         rollouts.to_parquet(out / "rollouts.parquet", index=False)
         rates.to_parquet(out / "pass_rates.parquet", index=False)
         kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)
-        pairs.to_parquet(out / "pairs.parquet", index=False)
+        write_pairs(pairs, out / "pairs.jsonl")
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         write_provenance(out, cfg, STAGE, run.started, {**stats, **timing, "model_backend": sampler_code(run, start)})
     run.done()

@@ -18,9 +18,9 @@ from posttrain.generation.backend import NativeBackend
 from posttrain.models import Transformer, document_positions
 from posttrain.models.hf_backend import HFCausalLM, build_transformers_model
 from posttrain.models.lora import merged_state_dict
+from posttrain.rollouts import GENERATION_BATCH, Sampler
 from posttrain.tokenizer import Tokenizer
 
-GENERATION_BATCH = 64  # prompts per generate() call
 SAMPLING_TEMPERATURE = 1.0  # on-policy completions come from the student's own distribution
 
 
@@ -80,7 +80,7 @@ class SampledBatches:
 
     def __init__(self, prompts: Batches, steps_ahead: int, max_new_tokens: int, max_len: int, tokenizer: Tokenizer):
         self.prompts, self.steps_ahead, self.max_len = prompts, steps_ahead, max_len
-        self.pad_id = tokenizer.pad_id
+        self.tokenizer, self.pad_id = tokenizer, tokenizer.pad_id
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=SAMPLING_TEMPERATURE,
                                      stop_token_ids=tokenizer.eos_ids)
         self.pending: list[tuple[list[list[int]], list[list[int]]]] = []  # (prompts, completions) per micro-batch
@@ -92,12 +92,13 @@ class SampledBatches:
         """Sample the next `steps_ahead` micro-batches' completions; returns the tokens generated."""
         groups = [next(self.prompts)["prompt_ids"] for _ in range(self.steps_ahead)]
         flat = [p for group in groups for p in group]
-        out = NativeBackend(sampler, self.pad_id, max_batch_size=GENERATION_BATCH).generate(flat, self.params, seed)
+        samples = Sampler(NativeBackend(sampler, self.pad_id, max_batch_size=GENERATION_BATCH), self.tokenizer).sample(
+            flat, None, self.params, seed)
         start = 0
         for group in groups:
-            self.pending.append((group, out.tokens[start : start + len(group)]))
+            self.pending.append((group, [s.tokens for s in samples[start : start + len(group)]]))
             start += len(group)
-        return sum(len(t) for t in out.tokens)
+        return sum(len(s.tokens) for s in samples)
 
     def __next__(self) -> dict[str, torch.Tensor]:
         prompts, completions = self.pending.pop(0)

@@ -65,6 +65,8 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)  # the sampler's, 0.0 on the environment's tokens
     mask: list[bool] = field(default_factory=list)  # True: sampled by the model
     messages: list[Message] = field(default_factory=list)
+    opening: int = 0  # how many of `messages` the environment opened with (the prompt)
+    tools: Any = None  # the tool schemas the template rendered the episode with
     env_reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -110,7 +112,8 @@ def run_episodes(backend: GenerationBackend, tok: Tokenizer, params: SamplingPar
     tools = [env.tools() for env in environments]
     messages = [env.messages() for env in environments]
     trajectories = [Trajectory(prompt_ids=list(tok.apply_chat_template(m, add_generation_prompt=True, tools=t,
-                                                                          tokenize=True)), messages=list(m))
+                                                                          tokenize=True)), messages=list(m),
+                               opening=len(m), tools=t)
                     for m, t in zip(messages, tools)]
     eos = set(params.stop_token_ids)
     for turn in range(max_turns):

@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from posttrain.data.loader import Batches
 from posttrain.evaluation.greedy import greedy_accuracy
-from posttrain.generation.sampler import SamplingParams
 from posttrain.parallel import broadcast_from_main
 from posttrain.rl.sync_collector import PromptFeed, SyncCollector
 from posttrain.rl.ray_collector import RayCollector, split_groups, start_ray
@@ -154,20 +153,10 @@ class _Collection:
         return 0.0
 
     def held_out_accuracy(self, prompts: PromptBatch) -> float:
-        """Greedy accuracy at the trainer's current weights, this rank's `prompts` and the others' together."""
+        """Greedy accuracy at the trainer's current weights (greedy episodes with an environment), this rank's
+        `prompts` and the others' together."""
         worker = self.eval_worker
-        if worker.environment is not None:  # greedy episodes, judged by the first verifier
-            params = SamplingParams(max_new_tokens=worker.params.max_new_tokens, temperature=0.0,
-                                    stop_token_ids=worker.params.stop_token_ids)
-            trajectories = worker.run_episodes(prompts.examples, params, seed=0) if len(prompts) else []
-            correct = worker.episode_rewards(trajectories, prompts.examples)[1] if trajectories else []
-            total_correct, total = data_parallel_sum([sum(correct), len(correct)], self.mesh, self.device)
-            return total_correct / max(total, 1)
-
-        def judge(texts: list[str], sequences: list[list[int]], examples: list[dict[str, Any]]) -> list[bool]:
-            return worker.reward_fn(texts, sequences, examples)[1]
-
-        return greedy_accuracy(worker.backend, worker.tokenizer, prompts.prompt_ids, prompts.examples, judge,
+        return greedy_accuracy(worker.sampler, prompts.prompt_ids, prompts.examples, worker.reward_fn.correct,
                                worker.params.max_new_tokens, self.mesh, self.device)
 
     def step_metrics(self) -> dict[str, float]:

@@ -1,36 +1,43 @@
 """What the reward stage keeps of its scored samples: the rollout table, per-prompt pass rates, the prompts GRPO can learn from
-(pass rate inside the band), and on-policy pairs (best vs worst sample of a prompt)."""
+(pass rate inside the band), and on-policy pairs (best vs worst sample of a prompt); episodes with an environment."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from posttrain.rollouts import Sample
 from posttrain.tokenizer import Tokenizer
 
 
-def rollout_table(rows: list[dict[str, Any]], prompt_ids: list[list[int]], tokens: list[list[int]],
-                  logprobs: list[list[float]], reasons: list[str], completions: list[str],
-                  components: list[dict[str, float]], totals: list[float], correct: list[bool], k: int, tok: Tokenizer,
-                  key: str | None) -> pd.DataFrame:
-    """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k)."""
-    rendered = tok.decode_batch(prompt_ids, skip_special_tokens=False)
-    return pd.DataFrame({
-        "prompt_index": [i // k for i in range(len(tokens))],
-        "prompt_id": [rows[i // k]["id"] for i in range(len(tokens))],
-        "sample": [i % k for i in range(len(tokens))],
-        "prompt": [rendered[i // k] for i in range(len(tokens))],
-        "completion": completions,
-        "prompt_ids": [prompt_ids[i // k] for i in range(len(tokens))],
-        "completion_ids": tokens,
-        "logprobs": logprobs,
-        "finish_reason": reasons,
+def rollout_table(rows: list[dict[str, Any]], samples: list[Sample], components: list[dict[str, float]],
+                  totals: list[float], correct: list[bool], k: int, tok: Tokenizer, key: str | None) -> pd.DataFrame:
+    """`rollouts.parquet`: one row per sample (sample i is sample i % k of prompt i // k). An episode's prompt is
+    the one its environment opened with, its completion the model's last message; `episode` is every token after
+    the prompt rendered, `mask` which of them the model sampled, `messages` the conversation (JSON)."""
+    table = pd.DataFrame({
+        "prompt_index": [i // k for i in range(len(samples))],
+        "prompt_id": [rows[i // k]["id"] for i in range(len(samples))],
+        "sample": [i % k for i in range(len(samples))],
+        "prompt": tok.decode_batch([s.prompt_ids for s in samples], skip_special_tokens=False),
+        "completion": [s.text for s in samples],
+        "prompt_ids": [s.prompt_ids for s in samples],
+        "completion_ids": [s.tokens for s in samples],
+        "logprobs": [s.logprobs for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
         **{f"reward/{name}": [c[name] for c in components] for name in components[0]},
         "reward": totals,
         "correct": correct,
-        "policy_key": [key] * len(tokens),
+        "policy_key": [key] * len(samples),
     })
+    if samples and samples[0].is_episode:
+        table["episode"] = tok.decode_batch([s.tokens for s in samples], skip_special_tokens=False)
+        table["mask"] = [s.mask for s in samples]
+        table["messages"] = [json.dumps(s.messages, ensure_ascii=False) for s in samples]
+    return table
 
 
 def pass_rates(rollouts: pd.DataFrame, rows: list[dict[str, Any]], k: int) -> pd.DataFrame:
@@ -64,25 +71,35 @@ def grpo_prompts(rates: pd.DataFrame, band: tuple[float, float]) -> tuple[pd.Ser
     return pd.Series(True, index=rates.index), reason
 
 
-def best_vs_worst(rollouts: pd.DataFrame, prompts: dict[int, Any]) -> pd.DataFrame:
-    """Per prompt whose rewards differ: its best sample (chosen) and worst (rejected), earliest on ties."""
-    rows = []
+def best_vs_worst(rollouts: pd.DataFrame, samples: list[Sample], prompts: dict[int, Any]) -> list[dict[str, Any]]:
+    """Per prompt whose rewards differ: its best sample (chosen) and worst (rejected), earliest on ties; rows of
+    the `preference` source format. An episode pair is the environment's opening as the prompt and, on each side,
+    every message after it (the model's turns and the environment's replies), with the episode's tools."""
+    pairs = []
     for index, group in rollouts.groupby("prompt_index", sort=True):
         rewards = group["reward"].to_numpy()
         if rewards.max() == rewards.min():
             continue
-        best, worst = group.iloc[int(rewards.argmax())], group.iloc[int(rewards.argmin())]
-        rows.append({
-            "prompt_index": int(index),
-            "prompt_id": best["prompt_id"],
-            "prompt": prompts[int(index)],
-            "chosen": best["completion"],
-            "rejected": worst["completion"],
-            "chosen_reward": float(best["reward"]),
-            "rejected_reward": float(worst["reward"]),
-        })
-    columns = ["prompt_index", "prompt_id", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"]
-    return pd.DataFrame(rows, columns=columns)
+        best, worst = group.index[int(rewards.argmax())], group.index[int(rewards.argmin())]
+        chosen, rejected = samples[best], samples[worst]
+        pair: dict[str, Any] = {"prompt_index": int(index), "prompt_id": rollouts.at[best, "prompt_id"]}
+        if chosen.is_episode:
+            pair.update(prompt=chosen.messages[: chosen.opening], chosen=chosen.messages[chosen.opening :],
+                        rejected=rejected.messages[rejected.opening :])
+            if chosen.tools is not None:
+                pair["tools"] = chosen.tools
+        else:
+            pair.update(prompt=prompts[int(index)], chosen=chosen.text, rejected=rejected.text)
+        pair.update(chosen_reward=float(rewards.max()), rejected_reward=float(rewards.min()))
+        pairs.append(pair)
+    return pairs
+
+
+def write_pairs(pairs: list[dict[str, Any]], path: Path) -> None:
+    """`pairs.jsonl`: JSON keeps messages and tool schemas exactly as they are (no columnar schema to fill)."""
+    with path.open("w", encoding="utf-8") as f:
+        for pair in pairs:
+            f.write(json.dumps(pair, ensure_ascii=False) + "\n")
 
 
 def as_messages(prompt: Any) -> list[dict[str, str]]:

@@ -1,7 +1,7 @@
 """Rollout collection: sample a group of completions per prompt, score them, tag the policy version.
 
-A `RolloutWorker` owns a generation backend (native sampler or vLLM), the tokenizer and the
-reward function. The same object runs inside the stage process (sync GRPO) and inside a Ray
+A `RolloutWorker` owns a `Sampler` (a native or vLLM backend, the tokenizer, the environment if any) and
+a `RewardFunction`, both from `posttrain.rollouts`, the home every sampler and scorer shares. The same object runs inside the stage process (sync GRPO) and inside a Ray
 generator actor (async GRPO), so the collection code has one implementation that tests can
 run without Ray. Scoring happens where the samples are made: the trainer receives groups that
 are ready to train on.
@@ -12,17 +12,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.envs.episodes import EpisodeSettings, Trajectory, episode_metrics, scored_rows
+from posttrain.envs.episodes import EpisodeSettings, episode_metrics
 from posttrain.generation.backend import GenerationBackend, Weights, build_backend
 from posttrain.generation.sampler import SamplingParams
-from posttrain.rewards.reward_model import PretrainedRewardModel, load_reward_model, normalize_scores, score_sequences
-from posttrain.rewards.verifiers import Rewards
 from posttrain.rl.weights import verify_push
+from posttrain.rollouts import RewardFunction, Sampler
 from posttrain.tokenizer import Tokenizer
 
 
@@ -67,79 +65,17 @@ class PromptBatch:
         return len(self.prompt_ids)
 
 
-class RewardFunction:
-    """Reward of a completion: the weighted sum of the configured verifiers, plus `rm_weight` x a reward model's
-    score, normalized per prompt (`reward_model.normalize`, `posttrain.rewards.reward_model.normalize_scores`).
-
-    `verifier_specs` are `reward.verifiers` entries (built-in names, `module:function`, `path/file.py:function`
-    relative to `workdir`, or `{fn, weight, batched}`); the first one decides correctness (pass rate, eval
-    accuracy), as in the evaluate stage. The reward model is the reward_model stage's folder
-    (`reward_model_dir`, scored on the policy's token ids: it shares the policy's tokenizer) or a pretrained one
-    (`pretrained`: a folder or hub id, scored on the conversation its own chat template renders); it is loaded
-    only when `rm_weight` is not 0.
-    """
-
-    def __init__(self, verifier_specs: Sequence[Any], reward_model_dir: str | Path | None = None,
-                 rm_weight: float = 0.0, pad_id: int = 0, pretrained: str | None = None, normalize: str = "group",
-                 workdir: str | None = None, device: str = "cpu"):
-        if not verifier_specs:
-            raise ValueError("reward.verifiers is empty: GRPO needs at least one verifier")
-        self.rewards = Rewards(verifier_specs, workdir)
-        self.specs = list(verifier_specs)
-        self.rm_weight = float(rm_weight)
-        self.pad_id = pad_id
-        self.normalize = normalize
-        self.reward_model = None
-        self.pretrained: PretrainedRewardModel | None = None
-        if self.rm_weight:
-            if pretrained is not None:
-                self.pretrained = PretrainedRewardModel(pretrained, device)
-            elif reward_model_dir is None or not Path(reward_model_dir).is_dir():
-                raise FileNotFoundError(
-                    f"grpo.rm_weight is {self.rm_weight} but there is no reward model at {reward_model_dir} "
-                    "(set reward_model.source: train or a pretrained model, or grpo.rm_weight: 0)"
-                )
-            else:
-                self.reward_model = load_reward_model(reward_model_dir, device).eval()
-
-    def scores(self, texts: Sequence[str], sequences: Sequence[Sequence[int]], examples: Sequence[Mapping[str, Any]],
-               group_size: int = 1) -> tuple[list[float], list[bool], list[dict[str, float]]]:
-        """(rewards, correct, components) of completions `texts`, consecutive runs of `group_size` being one
-        prompt's samples; `sequences` are prompt + completion ids (for the reward_model stage's model).
-        `components`: per completion, each function's own value, and with a reward model its raw score (`rm`)
-        and the normalized one that is weighed (`rm_norm`)."""
-        values = self.rewards.score(texts, examples)
-        rewards = [self.rewards.total(v) for v in values]
-        correct = [self.rewards.correct(v) for v in values]
-        raw = None
-        if self.reward_model is not None:
-            raw = score_sequences(self.reward_model, sequences, self.pad_id)
-        elif self.pretrained is not None:
-            raw = self.pretrained.score([e["prompt"] for e in examples], texts)
-        if raw is not None:
-            norm = normalize_scores(raw, group_size, self.normalize)
-            rewards = [r + self.rm_weight * m for r, m in zip(rewards, norm)]
-            values = [{**v, "rm": r, "rm_norm": m} for v, r, m in zip(values, raw, norm)]
-        return rewards, correct, values
-
-    def __call__(self, texts: Sequence[str], sequences: Sequence[Sequence[int]],
-                 examples: Sequence[Mapping[str, Any]], group_size: int = 1) -> tuple[list[float], list[bool]]:
-        """(rewards, correct) of completions `texts` (see `scores`)."""
-        rewards, correct, _ = self.scores(texts, sequences, examples, group_size)
-        return rewards, correct
-
-
 class RolloutWorker:
-    """Samples and scores rollout groups with one backend; the unit a generator actor wraps. With `episodes`, a
-    completion is a multi-turn episode (`posttrain.envs`): the verifiers score its last model message, with the
-    environment's reward in the row as `env_reward` (the `environment` verifier)."""
+    """Samples and scores rollout groups with one `Sampler` (`posttrain.rollouts`); the unit a generator actor
+    wraps. With an environment, a completion is a multi-turn episode."""
 
-    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, params: SamplingParams,
-                 group_size: int, reward_fn: RewardFunction, episodes: EpisodeSettings | None = None):
-        self.backend, self.tokenizer, self.params = backend, tokenizer, params
+    def __init__(self, sampler: Sampler, params: SamplingParams, group_size: int, reward_fn: RewardFunction):
+        self.sampler, self.params = sampler, params
         self.group_size, self.reward_fn = group_size, reward_fn
-        self.episodes = episodes
-        self.environment = episodes.load() if episodes else None
+
+    @property
+    def backend(self) -> GenerationBackend:
+        return self.sampler.backend
 
     @property
     def version(self) -> int:
@@ -171,58 +107,23 @@ class RolloutWorker:
         held = self.backend.held_digests({name: tuple(t.shape) for name, t in weights.items()})
         verify_push(sent, weights, held, version)
 
-    def run_episodes(self, examples: Sequence[Mapping[str, Any]], params: SamplingParams, seed: int) -> list[Trajectory]:
-        """One episode per row of `examples`, each in a fresh environment."""
-        assert self.episodes is not None
-        return self.episodes.run(self.backend, self.tokenizer, params, examples, seed, self.environment)
-
-    def episode_rewards(self, trajectories: Sequence[Trajectory], examples: Sequence[Mapping[str, Any]],
-                        group_size: int = 1) -> tuple[list[float], list[bool], list[dict[str, float]]]:
-        """The verifiers' scores of each episode's last model message, its environment reward in the row."""
-        rows = scored_rows(trajectories, examples)
-        return self.reward_fn.scores([t.final_text for t in trajectories],
-                                     [t.prompt_ids + t.tokens for t in trajectories], rows, group_size=group_size)
-
     def collect(self, batch: PromptBatch, seed: int) -> list[RolloutGroup]:
-        """`group_size` completions for each prompt of `batch`, scored; deterministic for (weights, batch, seed)."""
-        if self.environment is not None:
-            return self._collect_episodes(batch, seed)
-        k = self.group_size
-        version = self.backend.version
-        prompts = [p for p in batch.prompt_ids for _ in range(k)]
-        out = self.backend.generate(prompts, self.params, seed)
-        texts = self.tokenizer.decode_batch(out.tokens)
-        examples = [e for e in batch.examples for _ in range(k)]
-        rewards, correct, components = self.reward_fn.scores(texts, [p + c for p, c in zip(prompts, out.tokens)],
-                                                             examples, group_size=k)
-        index = batch.index or [-1] * len(batch)
-        return [
-            RolloutGroup(
-                prompt_ids=list(batch.prompt_ids[g]), example=dict(batch.examples[g]),
-                completions=out.tokens[g * k : (g + 1) * k], logprobs=out.logprobs[g * k : (g + 1) * k],
-                finish_reasons=out.finish_reasons[g * k : (g + 1) * k], rewards=rewards[g * k : (g + 1) * k],
-                correct=correct[g * k : (g + 1) * k], version=version, index=int(index[g]),
-                components=components[g * k : (g + 1) * k],
-            )
-            for g in range(len(batch))
-        ]
-
-
-    def _collect_episodes(self, batch: PromptBatch, seed: int) -> list[RolloutGroup]:
+        """`group_size` samples for each prompt of `batch`, scored; deterministic for (weights, batch, seed)."""
         k, version = self.group_size, self.backend.version
         examples = [e for e in batch.examples for _ in range(k)]
-        trajectories = self.run_episodes(examples, self.params, seed)
-        rewards, correct, components = self.episode_rewards(trajectories, examples, group_size=k)
+        samples = self.sampler.sample([p for p in batch.prompt_ids for _ in range(k)], examples, self.params, seed)
         index = batch.index or [-1] * len(batch)
+        rewards, correct, components = self.reward_fn.scores(samples, examples, k, batch.index or None)
         groups = []
         for g in range(len(batch)):
-            part = trajectories[g * k : (g + 1) * k]
+            part = samples[g * k : (g + 1) * k]
             groups.append(RolloutGroup(
-                prompt_ids=part[0].prompt_ids, example=dict(batch.examples[g]), completions=[t.tokens for t in part],
-                logprobs=[t.logprobs for t in part], finish_reasons=[t.finish_reason for t in part],
+                prompt_ids=part[0].prompt_ids, example=dict(batch.examples[g]), completions=[s.tokens for s in part],
+                logprobs=[s.logprobs for s in part], finish_reasons=[s.finish_reason for s in part],
                 rewards=rewards[g * k : (g + 1) * k], correct=correct[g * k : (g + 1) * k], version=version,
-                index=int(index[g]), components=components[g * k : (g + 1) * k], masks=[t.mask for t in part],
-                episodes=[t.counts() for t in part]))
+                index=int(index[g]), components=components[g * k : (g + 1) * k],
+                masks=[s.mask for s in part if s.mask is not None],
+                episodes=[s.counts for s in part if s.counts is not None]))
         return groups
 
 
@@ -291,4 +192,4 @@ def build_worker(spec: WorkerSpec) -> RolloutWorker:
     reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id,
                                pretrained=spec.pretrained_reward_model, normalize=spec.rm_normalize,
                                workdir=spec.workdir, device=spec.device)
-    return RolloutWorker(backend, tokenizer, params, spec.group_size, reward_fn, spec.episodes)
+    return RolloutWorker(Sampler(backend, tokenizer, spec.episodes), params, spec.group_size, reward_fn)

@@ -240,8 +240,7 @@ class Plan:
             if stage == "grpo":  # its reward model and prompts come from the policy it starts from
                 if cfg["reward_model"]["source"] == "train":
                     stages["reward_model"] = inputs["reward_model"] = self._add("reward_model", cfg, dict(inputs))
-                if not cfg["environment"]["fn"]:  # episodes: the data's prompts (no single-turn pass rates)
-                    stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))
+                stages["reward"] = inputs["reward"] = self._add("reward", cfg, dict(inputs))  # episodes, with an environment
             models[stage] = stages[stage] = previous = self._add(stage, cfg, inputs)
         evals: dict[str, Job] = {}
         if cfg["eval"]["base"]:

@@ -113,27 +113,25 @@ ON_POLICY = {"loss": "sigmoid", "reference": "precompute", "label_smoothing": 0.
 
 
 def test_on_policy_pairs_are_the_reward_scorings_in_the_stages_order(unpacked, tmp_path):
-    """The reward stage's pairs.parquet, in the shape it writes, tokenized by the DPO stage's own reader and drawn
+    """The reward stage's pairs.jsonl, in the shape it writes, tokenized by the DPO stage's own reader and drawn
     in its loader's order: pairs that only exist in the file, not in the prepared split."""
-    import pandas as pd
+    from posttrain.rl.curation import write_pairs
 
     scoring = tmp_path / "reward"
     scoring.mkdir()
     prompts = [f"Sort ascending: {n}, {n + 7}, 3" for n in range(10)]
-    pd.DataFrame({"prompt_index": range(10), "prompt_id": [f"sort-{n}" for n in range(10)],
-                  "prompt": [[{"role": "user", "content": p}] for p in prompts],
-                  "chosen": [f"#### 3, {n}, {n + 7}" for n in range(10)],
-                  "rejected": [f"#### {n}, 3, {n + 7}" for n in range(10)],
-                  "chosen_reward": 1.0, "rejected_reward": 0.0}).to_parquet(scoring / "pairs.parquet")
+    write_pairs([{"prompt_index": n, "prompt_id": f"sort-{n}", "prompt": [{"role": "user", "content": prompts[n]}],
+                  "chosen": f"#### 3, {n}, {n + 7}", "rejected": f"#### {n}, 3, {n + 7}",
+                  "chosen_reward": 1.0, "rejected_reward": 0.0} for n in range(10)], scoring / "pairs.jsonl")
     data_cfg = {"max_seq_len": 64, "truncation": "right"}
     rows, order, source = quality.trained_pairs(unpacked, scoring, ON_POLICY, data_cfg, seed=1)
-    assert len(rows) == 10 and source.endswith("reward/pairs.parquet")
+    assert len(rows) == 10 and source.endswith("reward/pairs.jsonl")
     assert len(order) == 12 and len(set(order[:8])) == 8 and set(order) <= set(range(10))  # 2 full batches an epoch
     stage = quality.dpo_stage()  # what the DPO stage itself draws from the same folder
     args = argparse.Namespace(pairs=str(scoring), data=str(unpacked))
     cfg = {"dpo": ON_POLICY, "data": data_cfg, "seed": 1}
     drawn, files = stage.training_pairs(args, cfg, Tokenizer(unpacked / "tokenizer"), 4, 0, 1)
-    assert quality.trained_order(drawn, 3) == order and files == [scoring / "pairs.parquet"]
+    assert quality.trained_order(drawn, 3) == order and files == [scoring / "pairs.jsonl"]
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(unpacked / "tokenizer" / "tokenizer.json"))

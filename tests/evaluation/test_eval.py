@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from eval_fixtures import DATA_KEY, DPO_CFG, make_data, make_model, run_stage, write_config
 
-import posttrain.evaluation.completions
 from posttrain.model_files import load_hf_model
 from posttrain.data.loader import length_multiple, sft_batches
 from posttrain.data.store import load_split
 from posttrain.evaluation import PromptResult, eval_pairs, heldout_nll, mean_pass_at_k, pass_at_k, task_metrics
 from posttrain.evaluation.lm_eval import LmEvalError, run_lm_eval
+from posttrain.generation import GenerationOutput
+from posttrain.generation.backend import NativeBackend
 from posttrain.workflow.schema import ConfigError, load_config
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.setup import initial_model, model_config
@@ -103,7 +104,7 @@ def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
     greedy_right, samples_right = {0, 2, 3, 5}, [i % 4 for i in range(8)]  # 0..3 of 3 samples right
     lengths = {}
 
-    def table_complete(backend, prompts, params, seed, desc):
+    def table_generate(backend, prompts, params, seed):
         seen, tokens = Counter(), []
         for p in prompts:
             i = index[tuple(p)]
@@ -113,9 +114,9 @@ def test_known_answer_table_gives_exact_metrics(results, monkeypatch):
             if params.temperature == 0:
                 lengths[i] = len(ids)
             tokens.append(ids)
-        return tokens, ["stop"] * len(tokens)
+        return GenerationOutput(tokens, [[0.0] * len(t) for t in tokens], ["stop"] * len(tokens))
 
-    monkeypatch.setattr(posttrain.evaluation.completions, "complete", table_complete)  # before the stage imports it
+    monkeypatch.setattr(NativeBackend, "generate", table_generate)
     out, m = run_eval(results, monkeypatch, "table00000000", "dpo", DPO_KEY)
     assert m["n_prompts"] == 8
     assert m["accuracy"] == 4 / 8

@@ -19,7 +19,7 @@ from eval_fixtures import make_data, make_model, run_stage, write_config
 from grpo_testing import GRPO_SCRIPT, grpo_config, step_records
 from posttrain.data.store import load_split
 from posttrain.rewards.reward_model import PretrainedRewardModel, normalize_scores
-from posttrain.rl.rollout import RewardFunction
+from posttrain.rollouts import RewardFunction, Sample
 from posttrain.tokenizer import Tokenizer, train_bpe_tokenizer
 from posttrain.workflow.plan import build_plan
 from posttrain.workflow.schema import ConfigError, load_config, validate_config
@@ -96,7 +96,8 @@ def test_grpo_weighs_the_normalized_score(setup, tmp_path):
     fn = RewardFunction(["format"], rm_weight=0.5, pretrained=str(setup["rm"]))
     texts = ["#### 12", "so 12", "#### 7", "#### 7"]
     examples = [{"prompt": "What is 5 + 7?", "answer": "12", "task": ""}] * 2 + [{"prompt": "2 + 5?", "answer": "7"}] * 2
-    rewards, correct, components = fn.scores(texts, [[0]] * 4, examples, group_size=2)
+    samples = [Sample([0], [], [], "stop", text) for text in texts]
+    rewards, correct, components = fn.scores(samples, examples, group_size=2)
     raw = transformers_scores(setup["rm"], [e["prompt"] for e in examples], texts)
     assert [c["rm"] for c in components] == pytest.approx(raw.tolist(), abs=1e-5)
     z = normalize_scores([c["rm"] for c in components], 2, "group")

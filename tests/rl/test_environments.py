@@ -213,14 +213,66 @@ def test_the_plan_and_the_dry_run_with_an_environment(tmp_path, monkeypatch):
     base = merge(load_config(), {"ablations": None, "pipeline": ["sft", "grpo"]})
     with_env = validate_config(merge(base, {"environment": {"fn": "calculator"}}))
     stages = next(iter(build_plan(with_env).variants.values())).stages
-    assert "reward" not in stages and "reward" not in stages["grpo"].inputs  # episodes: the data's prompts split
-    assert "reward" in next(iter(build_plan(validate_config(base)).variants.values())).stages
+    assert stages["grpo"].inputs["reward"] is stages["reward"]  # the band of the episodes GRPO runs
+    assert stages["reward"].resolved["environment"]["fn"] == "calculator"  # its key covers the environment
     monkeypatch.chdir(tmp_path)
     (tmp_path / "env.py").write_text("class NotAnEnvironment:\n    pass\n")
     with pytest.raises(ConfigError, match=r"environment.fn: environment 'env.py:NotAnEnvironment': .* is not a subclass"):
         validate_config(merge(base, {"environment": {"fn": "env.py:NotAnEnvironment"}}))
     with pytest.raises(ConfigError, match=r"environment.fn: environment 'calculater': not a built-in"):
         validate_config(merge(base, {"environment": {"fn": "calculater"}}))
+
+
+@pytest.mark.slow
+def test_the_reward_stage_scores_the_episodes_grpo_runs(game_policy, tmp_path, monkeypatch):
+    """With an environment the reward stage samples and scores what GRPO would: its episodes are, token for token
+    and reward for reward, those GRPO's rollout worker collects for the same prompts and seed; its pass rates count
+    them, and its on-policy pairs are whole conversations (the game's replies included) that DPO's reader takes."""
+    import pandas as pd
+    from eval_fixtures import run_stage, write_config
+    from grpo_testing import GAME_DATA, GUESS_NUMBER
+    from sft_testing import resolved_config
+
+    from posttrain.data.sources import canonical_rows, load_source
+    from posttrain.data.store import load_split
+    from posttrain.rl.rollout import EpisodeSettings, PromptBatch, WorkerSpec, build_worker
+
+    data, policy = game_policy
+    reward = {"verifiers": ["environment", "format"], "n_prompts": 6, "samples_per_prompt": 4, "max_new_tokens": 8}
+    cfg = resolved_config("reward", "env-reward", data=GAME_DATA, reward=reward, environment=GUESS_NUMBER)
+    out = tmp_path / "reward"
+    run_stage("reward", ["--config", write_config(tmp_path / "reward.json", cfg), "--data", data, "--model", policy,
+                         "--out", out], monkeypatch)
+    rollouts = pd.read_parquet(out / "rollouts.parquet")
+
+    rows = load_split(data, "prompts").select(range(6)).to_list()
+    worker = build_worker(WorkerSpec(
+        backend="native", model_dir=str(policy), model_backend=cfg["model"]["backend"], tokenizer_dir=str(data / "tokenizer"),
+        group_size=4, temperature=cfg["reward"]["temperature"], max_new_tokens=8, verifiers=("environment", "format"),
+        seed=cfg["seed"], episodes=EpisodeSettings.from_config(GUESS_NUMBER, None)))
+    groups = worker.collect(PromptBatch([r["prompt_ids"] for r in rows], [json.loads(r["example"]) for r in rows],
+                                        list(range(6))), seed=cfg["seed"])  # the stage's one call: seed + 0
+    assert [list(ids) for ids in rollouts["completion_ids"]] == [c for g in groups for c in g.completions]
+    assert rollouts["reward"].tolist() == [r for g in groups for r in g.rewards]
+    assert [list(m) for m in rollouts["mask"]] == [m for g in groups for m in g.masks]
+    assert rollouts["prompt"].str.contains("I am thinking of a number from 1 to 4").all()
+    assert rollouts["reward/environment"].max() == 1.0  # some games were won ...
+    assert any(not all(m) for m in rollouts["mask"])  # ... and some took turns: environment tokens in the episode
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["turns_mean"] > 1 and stats["turns_mean"] == pytest.approx(
+        sum(e["turns"] for g in groups for e in g.episodes) / 24)
+
+    pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and len(pairs) == stats["pairs"]
+    for pair in pairs:
+        said = rollouts[rollouts["prompt_index"] == pair["prompt_index"]]
+        assert pair["chosen_reward"] == said["reward"].max() and pair["rejected_reward"] == said["reward"].min()
+        assert "I am thinking of a number" in pair["prompt"][-1]["content"]
+        assert pair["chosen"][0]["role"] == "assistant"
+    replies = [m["content"] for p in pairs for side in ("chosen", "rejected") for m in p[side] if m["role"] == "user"]
+    assert set(replies) <= {"higher", "lower", "Answer with a number."} and replies  # the game's turns are in them
+    as_source, _ = canonical_rows(load_source(str(out / "pairs.jsonl")), "preference", "pairs.jsonl")
+    assert [r["chosen"] for r in as_source] == [p["chosen"] for p in pairs]
 
 
 @pytest.mark.slow

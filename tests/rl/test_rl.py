@@ -19,7 +19,8 @@ from posttrain.rl.batch import advantages, micro_batches
 from posttrain.rl.buffer import StalenessBuffer, StepRollouts
 from posttrain.rl.sync_collector import PromptFeed, SyncCollector, rollout_seed
 from posttrain.rl.ray_collector import LOCAL_RAY_ENV, RayCollector, import_ray, split_groups
-from posttrain.rl.rollout import PromptBatch, RewardFunction, RolloutGroup, RolloutWorker, rollout_stats
+from posttrain.rl.rollout import PromptBatch, RolloutGroup, RolloutWorker, rollout_stats
+from posttrain.rollouts import RewardFunction, Sampler
 from posttrain.tokenizer import train_bpe_tokenizer
 from posttrain.workflow.schema import ConfigError, load_config
 
@@ -101,7 +102,7 @@ def prompt_dataset(tok, n: int = 12) -> Split:
 def make_worker(model, tok, group_size=4, max_new_tokens=6, temperature=1.0) -> RolloutWorker:
     backend = NativeBackend(model, tok.pad_id, tok.decode)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=tok.eos_ids)
-    return RolloutWorker(backend, tok, params, group_size, RewardFunction(["task", "format"]))
+    return RolloutWorker(Sampler(backend, tok), params, group_size, RewardFunction(["task", "format"]))
 
 
 def prompts(tok, n=3) -> PromptBatch:

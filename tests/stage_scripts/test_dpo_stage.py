@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pytest
 import torch
 
@@ -18,6 +17,7 @@ from posttrain.data.loader import prompt_batches
 from posttrain.data.tasks import make_splits
 from posttrain.generation import SamplingParams, generate
 from posttrain.rewards.verifiers import format_reward, task_verifier
+from posttrain.rl.curation import write_pairs
 from posttrain.tokenizer import Tokenizer
 from posttrain.training.faults import KILL_AT_STEP_ENV
 from sft_testing import ROOT, env_for, metrics, prepare_data, resolved_config, run_sft, weights, write_config
@@ -187,9 +187,8 @@ def test_on_policy_pairs_file(sft, tmp_path):
     rows = make_splits(DATA["tasks"], {"preference": 16}, seed=7)["preference"]
     reward_dir = tmp_path / "reward"
     reward_dir.mkdir()
-    pairs = reward_dir / "pairs.parquet"
-    pd.DataFrame({"prompt": [r["prompt"] for r in rows], "chosen": [r["response"] for r in rows],
-                  "rejected": [r["rejected_response"] for r in rows]}).to_parquet(pairs)
+    write_pairs([{"prompt": r["prompt"], "chosen": r["response"], "rejected": r["rejected_response"]} for r in rows],
+                reward_dir / "pairs.jsonl")
     cfg = dpo_config("dpo-on-policy", **{**SHORT, "steps": 2}, pairs="on_policy")
     missing = run_dpo(cfg, data, sft_dir, tmp_path / "no-pairs", check=False)
     assert missing.returncode == 1 and "pass the reward stage's output folder (or its pairs file) with --pairs" in missing.stderr

@@ -27,7 +27,7 @@ from posttrain.workflow.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K = 4
-OUTPUTS = ("rollouts.parquet", "pass_rates.parquet", "grpo_prompts.parquet", "pairs.parquet", "stats.json")
+OUTPUTS = ("rollouts.parquet", "pass_rates.parquet", "grpo_prompts.parquet", "pairs.jsonl", "stats.json")
 # Sorting 4 single digits: the reward model only has to notice an out-of-order pair.
 DATA = {"tasks": [{"name": "sort", "length": 4, "max_value": 9}], "n_sft": 20, "n_preference": 600,
         "n_prompts": 16, "n_eval": 8, "vocab_size": 300, "max_seq_len": 48}
@@ -219,7 +219,7 @@ def test_filtered_prompts_match_the_pass_rate_band(setup, tmp_path, monkeypatch,
     assert json.loads((out / "stats.json").read_text())["grpo_prompts_fallback"] is None
 
     # Pairs: every prompt with mixed results, the right answer chosen over the wrong one.
-    pairs = pd.read_parquet(out / "pairs.parquet")
+    pairs = pd.read_json(out / "pairs.jsonl", lines=True)
     assert pairs["prompt_index"].tolist() == [i for i in range(10) if i % 5 not in (0, 4)]
     for row in pairs.itertuples():
         assert row.chosen == f"#### {setup['rows'][row.prompt_index]['answer']}" and row.rejected == "#### 0, 0, 0"
@@ -227,7 +227,7 @@ def test_filtered_prompts_match_the_pass_rate_band(setup, tmp_path, monkeypatch,
         assert list(row.prompt) == [{"role": "user", "content": user}]
         assert (row.chosen_reward, row.rejected_reward) == (1.0, 0.0)
     # ... in the preference-source format that DPO's on-policy mode reads.
-    as_source, _ = canonical_rows(load_source(str(out / "pairs.parquet")), "preference", "pairs.parquet")
+    as_source, _ = canonical_rows(load_source(str(out / "pairs.jsonl")), "preference", "pairs.jsonl")
     assert [r["chosen"][0]["content"] for r in as_source] == pairs["chosen"].tolist()
 
 
