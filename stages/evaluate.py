@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +54,9 @@ from posttrain.models import Transformer, is_preset
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.rewards.verifiers import Rewards, VerifierError
 from posttrain.rollouts import GENERATION_BATCH, Sample, Sampler, sample_in_calls, verifier_values
-from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer
+from posttrain.training.harness import StageRun
 from posttrain.training.setup import initial_model, model_config
-from posttrain.utils.io import atomic_dir
-from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.layout import BASE, MODEL_STAGES
 from posttrain.workflow.lineage import read_provenance, upstream_folder
 
@@ -156,18 +153,12 @@ def nll_metrics(model: Transformer | HFCausalLM, data_dir: Path, seed: int) -> d
 
 
 def main() -> None:
-    args = parse_inputs(STAGE, INPUTS, optional=("model", "reference"))
-    started = time.time()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("evaluate runs in one process; set eval.resources to at most one GPU and procs: 1")
-    cfg = load_stage_config(args.config, READS, __file__)
-    ev, seed = cfg["eval"], cfg["seed"]
+    run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model", "reference"), one_process=True, training=False,
+                   section="eval", resumable=False)
+    cfg, ev, seed, args, tok, device = run.cfg, run.section, run.cfg["seed"], run.args, run.tokenizer, run.device
     verifier_specs = cfg["reward"]["verifiers"]
     rewards = Rewards(verifier_specs)
     data_dir = Path(args.data)
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-
-    tok = Tokenizer(data_dir / "tokenizer")
     model, record, model_dir = evaluated_model(args.model, cfg, tok, device)
     rows = eval_rows(data_dir, ev["n_prompts"])
     prompts = [r["prompt_ids"] for r in rows]
@@ -205,7 +196,9 @@ def main() -> None:
     metrics.update(preference_metrics(model, model_dir, record, rows, tok, cfg["data"]["max_seq_len"],
                                       args.reference, device, cfg["model"]["backend"]))
 
-    with atomic_dir(args.out) as out:
+    summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}
+
+    def write(out: Path) -> dict[str, Any]:
         metrics["lm_eval"] = (run_lm_eval(model_dir, ev["lm_eval_tasks"], out, device.type, optional=ev["lm_eval_optional"])
                               if model_dir is not None
                               else {"skipped": f"{record['source']} is a preset's random init, with no folder to load"})
@@ -221,8 +214,9 @@ def main() -> None:
                                  "correct": sampled_correct[j]} for j in range(i * n, (i + 1) * n)],
                 }, ensure_ascii=False) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-        summary = {k: metrics[k] for k in ("accuracy", *[f"pass@{k}" for k in ev["pass_k"]], "reward", "nll", "ppl", "pref_acc")}
-        write_provenance(out, cfg, STAGE, started, {**summary, "model_backend": model.backend})
+        return {**summary, "model_backend": model.backend}
+
+    run.write_output(write)
     print(json.dumps({"out": args.out, **summary}))
 
 

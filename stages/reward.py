@@ -59,6 +59,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -75,8 +76,6 @@ from posttrain.training.faults import kill_if_requested, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.result_log import ResultLog
 from posttrain.training.setup import backend_of, model_config
-from posttrain.utils.io import atomic_dir
-from posttrain.utils.provenance import write_provenance
 from posttrain.workflow.lineage import read_provenance
 
 STAGE = "reward"
@@ -196,14 +195,16 @@ def main() -> None:
         stats.update(episode_metrics([s.counts for s in samples]))
     timing["rollouts_per_s"] = len(samples) / timing["sample_s"]
     timing["generated_tokens_per_s"] = sum(lengths) / timing["sample_s"]
-    with atomic_dir(args.out) as out:
+
+    def write(out: Path) -> dict[str, Any]:
         rollouts.to_parquet(out / "rollouts.parquet", index=False)
         rates.to_parquet(out / "pass_rates.parquet", index=False)
         kept.reset_index(drop=True).to_parquet(out / "grpo_prompts.parquet", index=False)
         write_pairs(pairs, out / "pairs.jsonl")
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        write_provenance(out, cfg, STAGE, run.started, {**stats, **timing, "model_backend": sampler_code(run, start)})
-    run.done()
+        return {**stats, **timing, "model_backend": sampler_code(run, start)}
+
+    run.write_output(write)
     print(json.dumps({"out": args.out, **{k_: stats[k_] for k_ in ("rollouts", "pass_rate_mean", "grpo_prompts", "pairs")},
                       "rollouts_per_s": round(timing["rollouts_per_s"], 2)}), flush=True)
 

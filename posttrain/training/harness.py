@@ -50,7 +50,9 @@ from posttrain.training.checkpointer import Checkpointer, ResumePoint, remove_re
 from posttrain.training.selection import Selection
 from posttrain.training.signals import StopOnSignal
 from posttrain.training.setup import backend_of, build_model, seed_everything
+from posttrain.utils.io import atomic_dir
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
+from posttrain.utils.provenance import write_provenance
 
 
 class Resumable(Protocol):
@@ -66,15 +68,19 @@ class StageRun:
     """One process's share of a training stage run: everything around the stage's own step."""
 
     def __init__(self, stage: str, reads: tuple[str, ...], inputs: Mapping[str, str], script: str,
-                 optional: tuple[str, ...] = (), one_process: bool = False, training: bool = True):
+                 optional: tuple[str, ...] = (), one_process: bool = False, training: bool = True,
+                 section: str | None = None, resumable: bool = True):
         """`one_process`: a stage that runs as one process (no mesh) and refuses to start under several;
-        `training` False: a stage that trains nothing (reward scoring): no steps, no memory settings."""
+        `training` False: a stage that trains nothing (reward scoring, evaluation): no steps, no memory settings;
+        `section`: its config section, when not named after the stage (evaluate's `eval`); `resumable` False: a
+        stage that keeps no resume state, which SIGTERM ends at once (nothing to save first)."""
         self.started = time.time()
         self.stage, self.one_process = stage, one_process
         self.args = parse_inputs(stage, inputs, optional)
         self.out = Path(self.args.out)
         self.cfg = load_stage_config(self.args.config, reads, script)
-        self.section = self.cfg[stage]
+        self.section_name = section or stage
+        self.section = self.cfg[self.section_name]
         self.memory = self.cfg["memory"] if training else None
         self.total_steps = int(self.section["steps"]) if training else 0
         self.final_step = self.total_steps  # the last step trained: earlier when early stopping ends the loop
@@ -87,7 +93,7 @@ class StageRun:
         self.device, self.is_main = self.info.device, self.info.is_main
         if one_process and self.info.world_size > 1:
             raise SettingError(f"{stage} runs as one process, but was started as {self.info.world_size}: "
-                             f"set {stage}.resources to one node, at most one GPU and procs 1")
+                               f"set {self.section_name}.resources to one node, at most one GPU and procs 1")
         self.mesh = None if one_process else build_mesh(
             self.info, tp=self.cfg["parallel"]["tp"], dp_replicate=self.cfg["parallel"]["dp_replicate"],
             ep=self.cfg["parallel"]["ep"], cp=self.cfg["parallel"]["cp"])
@@ -99,7 +105,7 @@ class StageRun:
         self.checkpointer = Checkpointer(self.out, every=self.section.get("checkpoint_every", 0), key=self.cfg["key"])
         self.metrics = MetricsLogger(self.checkpointer.metrics_path, enabled=self.is_main, loggers=self.cfg["loggers"],
                                      run_name=f"{stage}-{self.cfg['key']}", config=self.cfg)
-        self.stop = StopOnSignal()
+        self.stop = StopOnSignal() if resumable else None
         self.start_step = 0
         self.last_checkpoint: Path | None = None
         self.before: dict[str, Any] = {}
@@ -328,7 +334,16 @@ class StageRun:
             print(json.dumps({"out": str(self.out), **summary}), flush=True)
         destroy()
 
+    def write_output(self, write: Callable[[Path], Mapping[str, Any]]) -> None:
+        """The output of a stage that writes no model: `write` fills a temporary folder and returns the summary its
+        provenance records; the folder takes the output's name only when complete (with its manifest), and the
+        resume state goes."""
+        with atomic_dir(self.out) as out:
+            write_provenance(out, self.cfg, self.stage, self.started, dict(write(out)))
+        self.done()
+
     def done(self) -> None:
         """The output is complete: remove the resume state and give SIGTERM back its previous handler."""
         remove_resume_state(self.checkpointer.root)
-        self.stop.restore()
+        if self.stop is not None:
+            self.stop.restore()

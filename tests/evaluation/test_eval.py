@@ -81,7 +81,7 @@ def eval_config(root, name, model_stage, model_key, **eval_overrides):
     ev = {"n_prompts": 8, "max_new_tokens": 6, "pass_k": [1, 2], "samples": 3, "temperature": 1.0,
           "lm_eval_tasks": [], "lm_eval_optional": False, **eval_overrides}
     upstream = {"prepare_data": DATA_KEY, **({model_stage: model_key} if model_stage else {})}
-    cfg = {"stage": "evaluate", "key": name, "upstream": upstream, "seed": 0,
+    cfg = {"stage": "evaluate", "key": name, "upstream": upstream, "seed": 0, "loggers": [],
            "model": {"policy": "tiny", "backend": "auto"}, "data": {"max_seq_len": 64}, "reward": {"verifiers": ["task", "format"]}, "eval": ev,
            "environment": {"fn": None, "max_turns": 4, "max_tokens": 256, "args": {}}}
     return write_config(root / "eval" / f"{name}.config.json", cfg)
