@@ -5,7 +5,10 @@
 Reads the config keys in `READS` (and its run settings: loggers, `reward_model.log_every`,
 `reward_model.checkpoint_every`). The model is the starting policy's decoder plus a scalar head
 (`posttrain.rewards.reward_model`), the policy being the one GRPO starts from (`--model`, or
-`model.policy` when GRPO comes first in `pipeline`). A seeded `reward_model.held_out` share of the
+`model.policy` when GRPO comes first in `pipeline`): every native family, and on the transformers
+backend (`model.backend`) the families transformers has a sequence classifier for, whose own
+`*ForSequenceClassification` it then is (a family without one is refused here and in the dry run,
+`posttrain.rules.reward_model_backend_problem`). A seeded `reward_model.held_out` share of the
 pairs is held out; each step takes `reward_model.batch_size` of the others and minimizes
 -log sigmoid(r_chosen - r_rejected). The decoder trains in full or with LoRA/QLoRA adapters
 (`reward_model.method`, `reward_model.lora`); the new score head always trains in full and is saved with
@@ -32,6 +35,7 @@ from posttrain.data.loader import Batches, preference_collate
 from posttrain.data.store import Split, load_split
 from posttrain.losses.bradley_terry import bradley_terry_loss
 from posttrain.rewards import RewardModel, load_reward_model, reward_model_config, scored_lengths
+from posttrain.rules import reward_model_backend_problem
 from posttrain.training.faults import SettingError, run_main
 from posttrain.training.harness import StageRun
 from posttrain.training.setup import add_adapters, backend_of, model_config
@@ -80,11 +84,13 @@ def main() -> None:
     run = StageRun(STAGE, READS, INPUTS, __file__, optional=("model",), one_process=True)
     section, pad_id, device = run.section, run.tokenizer.pad_id, run.device
     start = run.start_model()
-    if backend_of(start, model_config(start, run.tokenizer), run.cfg["model"]["backend"]) == "transformers":
-        raise SettingError(f"reward_model.source: train builds the reward model on the native code only; {start} runs "
-                           "on the transformers backend (model.backend), so leave reward_model.source null")
+    config = model_config(start, run.tokenizer)
+    run.backend = backend_of(start, config, run.cfg["model"]["backend"])
+    why = reward_model_backend_problem(str(config.get("model_type")), run.backend)  # the dry run's rule too
+    if why:
+        raise SettingError(f"reward_model.source: {why}")
     run.check_adapters(section["method"], start)
-    model = load_reward_model(start, device=device)
+    model = load_reward_model(start, device=device, backend=run.cfg["model"]["backend"])
     add_adapters(model, section["method"], section["lora"], modules_to_save=("score",))
     pairs, held_out = split_pairs(run)
     train = Batches(pairs, section["batch_size"], preference_collate(pad_id), seed=run.cfg["seed"])

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from posttrain.models import Transformer
 from posttrain.models.args import ModelConfigError, model_backend
+from posttrain.models.families import FAMILIES
 from posttrain.models.hf_backend import HFCausalLM, check_head_parity, transformers_config
 from posttrain.models.lora import merge_peft_adapter
 
@@ -150,8 +151,9 @@ def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
 
 def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state dict of `model` under its checkpoint's names: a native model's are already; transformers renames
-    some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out)."""
-    return model.checkpoint_state(state) if isinstance(model, HFCausalLM) else state
+    some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out):
+    a model on the transformers backend (`HFCausalLM`, the reward model's `HFRewardModel`) reverts them."""
+    return model.checkpoint_state(state) if getattr(model, "backend", "native") == "transformers" else state
 
 
 def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -192,7 +194,7 @@ def load_hf_model(
     transformers backend, transformers builds the model (on CPU, random init first) and the same tensors fill it."""
     folder = resolve_model_source(source, revision)
     config = read_hf_config(folder)
-    if backend != "native" and _backend(config, backend, folder) == "transformers":
+    if backend != "native" and folder_backend(config, backend, folder) == "transformers":
         return load_transformers_model(folder, config).to(device, dtype)
     tensors = model_tensors(folder)
     with torch.device("meta"):
@@ -230,7 +232,7 @@ def load_transformers_model(folder: Path, config: dict[str, Any]) -> HFCausalLM:
     return model
 
 
-def _backend(config: dict[str, Any], backend: str, folder: Path) -> str:
+def folder_backend(config: dict[str, Any], backend: str, folder: Path) -> str:
     """`model_backend`, its refusal a `CheckpointError` naming the folder's config.json."""
     try:
         return model_backend(config, backend, str(folder / "config.json"))
@@ -303,16 +305,10 @@ def write_hf_config(hf_config: dict[str, Any], out_dir: str | os.PathLike, dtype
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "mistral": "MistralForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-
-
 def architecture(model_type: str) -> str:
     """The CausalLM class name a config.json of `model_type` names: ours, else transformers' own."""
-    if model_type in _ARCHITECTURES:
-        return _ARCHITECTURES[model_type]
+    if model_type in FAMILIES:
+        return FAMILIES[model_type].causal_lm
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]

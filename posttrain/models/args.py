@@ -12,24 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "olmo2", "smollm3",
-                         "gemma3_text", "phi3")
+# Relative: `posttrain.workflow.model_names` loads this file and its sibling outside the package (no torch).
+from .families import FAMILIES
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 NORM_STYLES = ("cast_then_scale", "scale_then_cast", "one_plus_weight")
-
-# What each family's transformers config class fills in when config.json leaves a key out (the
-# generic fallbacks below are Llama's); rope thetas are in _DEFAULT_THETA, since rope_parameters
-# may hold them.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mistral": {"sliding_window": 4096},
-    "olmo2": {"rms_norm_eps": 1e-5},
-    "smollm3": {"tie_word_embeddings": True},
-    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                    "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh"},
-    "phi3": {"rms_norm_eps": 1e-5},
-}
-_DEFAULT_THETA = {"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0}
 
 
 class ModelConfigError(ValueError):
@@ -129,7 +118,7 @@ class ModelArgs:
             raise ModelConfigError(
                 f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        hf = {**_FAMILY_DEFAULTS.get(model_type, {}), **hf}
+        hf = {**FAMILIES[model_type].defaults, **hf}
         _refuse_unported(hf, model_type, source)
         act_key = "hidden_activation" if model_type == "gemma3_text" else "hidden_act"
         hidden_act = hf.get(act_key) or "silu"
@@ -209,7 +198,7 @@ def _rope_args(hf: dict[str, Any], model_type: str, source: str) -> dict[str, An
     factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if model_type == "phi3":
         out["partial_rotary_factor"] = float(factor)
-    out["rope_theta"] = float(hf.get("rope_theta", params.pop("rope_theta", _DEFAULT_THETA.get(model_type, 10000.0))))
+    out["rope_theta"] = float(hf.get("rope_theta", params.pop("rope_theta", FAMILIES[model_type].rope_theta)))
     params.pop("rope_theta", None)
     out["rope_scaling"] = _rope_scaling(hf.get("rope_scaling") or params or None, source)
     return out

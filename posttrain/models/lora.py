@@ -124,13 +124,16 @@ def apply_lora(
     transformers backend. `quantize_base=True` is QLoRA (NF4 base weights): call it on a model
     holding its real weights (load the checkpoint first), before `parallelize`. `modules_to_save`:
     top-level modules that stay fully trainable and are saved with the adapter (PEFT's
-    `modules_to_save`: the reward model's new `score` head, which no base holds).
+    `modules_to_save`: the reward model's new `score` head, which no base holds); trained in full,
+    they take no adapter, all-linear or not.
     """
     head = getattr(model, "lm_head", None)
-    linear = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    modules_to_save = tuple(modules_to_save)
+    linear = {name: module for name, module in model.named_modules()
+              if isinstance(module, nn.Linear) and name.split(".", 1)[0] not in modules_to_save}
     if targets == ALL_LINEAR:
         targets = tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in linear.items() if m is not head))
-    targets, modules_to_save = fused_targets(model, tuple(targets)), tuple(modules_to_save)
+    targets = fused_targets(model, tuple(targets))
     for p in model.parameters():
         p.requires_grad_(False)
     for name in modules_to_save:

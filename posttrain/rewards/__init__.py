@@ -1,6 +1,7 @@
 """Rewards for preference data and RL: rule-based verifiers and their scoring, and a learned reward model."""
 
 from posttrain.rewards.reward_model import (
+    HFRewardModel,
     RewardModel,
     load_reward_model,
     pad_right,
@@ -40,6 +41,7 @@ from posttrain.rewards.verifiers import (
 __all__ = [
     "Batched",
     "FINAL_ANSWER_MARKER",
+    "HFRewardModel",
     "RewardModel",
     "RewardSpec",
     "Rewards",

@@ -2,9 +2,12 @@
 
 The reward of a sequence is the head applied to the final hidden state of its last real token.
 Parameter names are those of Hugging Face's `<Family>ForSequenceClassification` (`model.*` and
-`score.weight`), and `save_reward_model` writes that layout (`num_labels: 1`, `pad_token_id`), so
-`transformers.AutoModelForSequenceClassification` and vLLM's reward pooling load the folder and
-read the same score at the same token (the rightmost non-pad one) when sequences are right-padded.
+`score.weight`; the class of each native family is in `posttrain.models.families`), and `save_reward_model`
+writes that layout (`num_labels: 1`, `pad_token_id`), so `transformers.AutoModelForSequenceClassification`
+and vLLM's reward pooling load the folder and read the same score at the same token (the rightmost non-pad
+one) when sequences are right-padded. On the transformers backend (`model.backend`: a family without a
+native port) the reward model is transformers' own sequence classifier of the family (`HFRewardModel`),
+for the families transformers has one for (`posttrain.rules.reward_model_backend_problem`).
 
 A reward model from elsewhere (`reward_model.source`: a folder or hub id with a `*ForSequenceClassification`
 head and one label) has a tokenizer and chat template of its own: `PretrainedRewardModel` renders the
@@ -30,17 +33,24 @@ from posttrain.model_files import (
     resolve_model_source,
     save_hf_model,
 )
+from posttrain.model_files.hf import (
+    adapter_base,
+    checkpoint_state,
+    folder_backend,
+    is_adapter_folder,
+    weight_files,
+    with_adapter,
+)
 from posttrain.losses.chunked import IGNORE_INDEX
-from posttrain.models import Transformer
+from posttrain.models import ModelConfigError, Transformer
+from posttrain.models.families import FAMILIES
+from posttrain.models.hf_backend import PARITY_TOLERANCE, transformers_config
 from posttrain.rewards.specs import RM_NORMALIZE, sequence_classifier_problem
+from posttrain.rules import reward_model_backend_problem
 from posttrain.tokenizer import Tokenizer
 
-SEQUENCE_CLASSIFICATION = {
-    "llama": "LlamaForSequenceClassification",
-    "qwen2": "Qwen2ForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification",
-}
 SCORE_KEY = "score.weight"
+CLASSIFIER_KEYS = ("architectures", "num_labels", "id2label", "label2id")  # what a causal LM's config lacks
 
 
 class RewardModel(Transformer):
@@ -58,13 +68,74 @@ class RewardModel(Transformer):
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Rewards [B] of right-padded sequences `input_ids` [B, S] with `lengths` [B] real tokens each."""
-        if lengths.shape != input_ids.shape[:1]:
-            raise ValueError(f"lengths {tuple(lengths.shape)} must have one entry per row of input_ids {tuple(input_ids.shape)}")
-        if bool((lengths < 1).any()) or bool((lengths > input_ids.shape[1]).any()):
-            raise ValueError(f"every length must be in [1, {input_ids.shape[1]}], got {lengths.tolist()}")
-        hidden = super().forward(input_ids)
-        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
-        return self.score(last).squeeze(-1).float()
+        check_lengths(input_ids, lengths)
+        return self.score(last_token(super().forward(input_ids), lengths)).squeeze(-1).float()
+
+
+def check_lengths(input_ids: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Refuse `lengths` that are not one length in [1, S] per row of `input_ids` [B, S]."""
+    if lengths.shape != input_ids.shape[:1]:
+        raise ValueError(f"lengths {tuple(lengths.shape)} must have one entry per row of input_ids {tuple(input_ids.shape)}")
+    if bool((lengths < 1).any()) or bool((lengths > input_ids.shape[1]).any()):
+        raise ValueError(f"every length must be in [1, {input_ids.shape[1]}], got {lengths.tolist()}")
+
+
+def last_token(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The hidden states [B, D] of each row's last real token."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
+
+
+class HFRewardModel(nn.Module):
+    """The transformers backend's reward model: the family's own `*ForSequenceClassification` (one label), scoring
+    as `RewardModel` does (`forward(input_ids, lengths)`: the `score` head at each row's last real token).
+
+    The classifier's children (GPT-2's `transformer` and `score`) are registered as the wrapper's own, so its state
+    dict is the classifier's checkpoint, as `HFCausalLM`'s is the causal LM's: what `save_reward_model` and the
+    stage write, what transformers loads, and `score` is the name LoRA's `modules_to_save` keeps trainable.
+    """
+
+    backend = "transformers"
+
+    def __init__(self, classifier: nn.Module, hf_config: dict[str, Any]):
+        super().__init__()
+        object.__setattr__(self, "classifier", classifier)  # not registered: its children are, under their own names
+        for name, child in classifier.named_children():
+            self.add_module(name, child)
+        score = self._modules.get("score")
+        if not isinstance(score, nn.Linear) or score.out_features != 1:
+            raise ModelConfigError(f"{type(classifier).__name__} has no `score` linear head of one output, which the "
+                                   "reward model reads")
+        self.hf_config = dict(hf_config)
+
+    def train(self, mode: bool = True) -> HFRewardModel:
+        """Also flip the wrapped classifier's own flag."""
+        self.classifier.training = mode
+        return super().train(mode)
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Rewards [B] of right-padded sequences `input_ids` [B, S] with `lengths` [B] real tokens each; the padding is
+        masked as transformers' scoring of a padded batch masks it."""
+        check_lengths(input_ids, lengths)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = (positions < lengths.to(input_ids.device)[:, None]).long()
+        hidden = self.classifier.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+        return self.score(last_token(hidden, lengths)).squeeze(-1).float()
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full state dict under the checkpoint's names (transformers renames some tensors on load), as
+        `save_pretrained` writes them."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.classifier, dict(state))
+
+
+def sequence_classifier(model_type: str) -> str:
+    """The `*ForSequenceClassification` class name of `model_type`: a native family's, else transformers' own."""
+    if model_type in FAMILIES:
+        return FAMILIES[model_type].sequence_classification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
 
 
 def scored_lengths(labels: torch.Tensor) -> torch.Tensor:
@@ -105,23 +176,30 @@ def score_sequences(model: RewardModel, sequences: Sequence[Sequence[int]], pad_
 
 def load_reward_model(
     source: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    model_class: type[RewardModel] | None = None,
-) -> RewardModel:
+    model_class: type[RewardModel] | None = None, backend: str = "auto",
+) -> RewardModel | HFRewardModel:
     """A reward model from a folder written by `save_reward_model`, or a new one on a causal LM's decoder.
 
     From a causal LM folder (no `score.weight`) the LM head is dropped and the score head is drawn
     from torch's global RNG (seed it first for a reproducible start). `model_class`: a subclass
-    with the same parameters (PPO's value model).
+    with the same parameters (PPO's value model; native only). `backend` is `model.backend`: where it
+    decides on transformers, the model is transformers' sequence classifier (`HFRewardModel`); the
+    default, auto, lets the folder's model_type decide (a native family's scores are transformers' to 1e-4).
     """
     folder = resolve_model_source(source)
     config = read_hf_config(folder)
+    if backend != "native" and folder_backend(config, backend, folder) == "transformers":
+        if model_class is not None:
+            raise CheckpointError(f"{folder}: a {model_class.__name__} runs on the native model code only, and "
+                                  f"model.backend runs model_type {config.get('model_type')!r} on transformers")
+        return load_transformers_reward_model(folder, config).to(device, dtype)
     tensors = model_tensors(folder)
-    is_reward_model = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    is_reward_model = declares_classifier(config)
     if is_reward_model and SCORE_KEY not in tensors:
         raise CheckpointError(f"{folder}: config.json declares a sequence-classification model but has no {SCORE_KEY!r}")
     if is_reward_model and int(config.get("num_labels", 1)) != 1:
         raise CheckpointError(f"{folder}/config.json: num_labels is {config['num_labels']}; a reward model has 1")
-    config = {k: v for k, v in config.items() if k not in ("architectures", "num_labels", "id2label", "label2id")}
+    config = {k: v for k, v in config.items() if k not in CLASSIFIER_KEYS}
     with torch.device("meta"):
         try:
             model = (model_class or RewardModel)(config)
@@ -136,17 +214,82 @@ def load_reward_model(
     return model.to(dtype)
 
 
-def save_reward_model(model: RewardModel, out_dir: str | os.PathLike, pad_token_id: int, dtype: torch.dtype = torch.float32) -> None:
+def declares_classifier(config: dict[str, Any]) -> bool:
+    """Whether a config.json is a sequence classifier's (a reward model folder) rather than a causal LM's."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def load_transformers_reward_model(folder: Path, config: dict[str, Any]) -> HFRewardModel:
+    """transformers' sequence classifier of the folder's family (float32, on CPU), from a reward model folder or on a
+    causal LM's decoder (its head dropped, `score` drawn from torch's global RNG as `RewardModel`'s is), refusing
+    missing, unexpected or misshapen tensors but those; an adapter-only folder: its base, with the adapter folded in."""
+    from transformers import AutoModelForSequenceClassification
+
+    where = str(folder / "config.json")
+    why = reward_model_backend_problem(str(config.get("model_type")), "transformers")
+    if why:
+        raise CheckpointError(f"{where}: reward_model.source: {why}")
+    if is_adapter_folder(folder):
+        base = resolve_model_source(adapter_base(folder))
+        model = load_transformers_reward_model(base, read_hf_config(base))
+        model.load_state_dict(with_adapter(folder, model.state_dict()))  # the adapter's `score` replaces the drawn one
+        return model
+    weight_files(folder)  # refuses pickles with the reason
+    is_reward_model = declares_classifier(config)
+    if is_reward_model and int(config.get("num_labels", 1)) != 1:
+        raise CheckpointError(f"{where}: num_labels is {config['num_labels']}; a reward model has 1")
+    config = {k: v for k, v in config.items() if k not in CLASSIFIER_KEYS}
+    classifier, info = AutoModelForSequenceClassification.from_pretrained(
+        folder, config=transformers_config({**config, "num_labels": 1}, where), dtype=torch.float32,
+        use_safetensors=True, output_loading_info=True)
+    prefix = f"{classifier.base_model_prefix}."
+    allowed = {"missing_keys": set(), "unexpected_keys": set()} if is_reward_model else {
+        "missing_keys": {k for k in map(str, info["missing_keys"]) if k.startswith("score.")},  # the new head
+        "unexpected_keys": {k for k in map(str, info["unexpected_keys"]) if not k.startswith(prefix)}}  # the LM head
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        wrong = sorted(set(map(str, info.get(kind) or [])) - allowed.get(kind, set()))
+        if wrong:
+            raise CheckpointError(f"{folder}: {kind.replace('_', ' ')} {wrong[:3]}")
+    model = HFRewardModel(classifier, config)
+    if not is_reward_model:
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, float(getattr(classifier.config, "initializer_range", 0.02)))
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+    check_score_parity(model, where)
+    return model
+
+
+@torch.no_grad()
+def check_score_parity(model: HFRewardModel, source: str) -> None:
+    """Refuse a classifier whose own forward scores otherwise than `score` at the last token (a pooler, a scaling):
+    on one unpadded row, ours must be transformers' logit."""
+    was_training = model.training
+    model.eval()
+    config = model.classifier.config
+    ids = [i for i in range(min(int(config.vocab_size), 6)) if i != config.pad_token_id][:4]
+    tokens = torch.tensor([ids], device=next(model.parameters()).device)
+    ours = float(model(tokens, torch.tensor([len(ids)], device=tokens.device))[0])
+    theirs = float(model.classifier(input_ids=tokens).logits.float().reshape(-1)[0])
+    model.train(was_training)
+    if abs(ours - theirs) > PARITY_TOLERANCE * max(1.0, abs(theirs)):
+        raise ModelConfigError(f"{source}: {config.model_type}'s sequence classifier scores otherwise than its `score` "
+                               f"head at the last token ({theirs:.6g}, ours {ours:.6g}); not supported as a reward model")
+
+
+def save_reward_model(model: RewardModel | HFRewardModel, out_dir: str | os.PathLike, pad_token_id: int,
+                      dtype: torch.dtype = torch.float32) -> None:
     """Write the HF sequence-classification layout: config (`num_labels: 1`, `pad_token_id`) and safetensors."""
-    save_hf_model(model.state_dict(), reward_model_config(model, pad_token_id), Path(out_dir), dtype=dtype)
+    save_hf_model(checkpoint_state(model, model.state_dict()), reward_model_config(model, pad_token_id), Path(out_dir),
+                  dtype=dtype)
 
 
-def reward_model_config(model: RewardModel, pad_token_id: int) -> dict[str, Any]:
+def reward_model_config(model: RewardModel | HFRewardModel, pad_token_id: int) -> dict[str, Any]:
     """The HF config of the sequence-classification layout (`num_labels: 1`, `pad_token_id`), which transformers
     and vLLM read to score at the rightmost non-pad token."""
     return {
         **model.hf_config,
-        "architectures": [SEQUENCE_CLASSIFICATION[model.args.model_type]],
+        "architectures": [sequence_classifier(model.hf_config["model_type"])],
         "num_labels": 1,
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
@@ -175,7 +318,7 @@ class PretrainedRewardModel:
         problem = sequence_classifier_problem(read_hf_config(self.folder), str(self.folder / "config.json"))
         if problem:
             raise CheckpointError(problem)
-        self.model = load_reward_model(self.folder, device, dtype).eval()
+        self.model = load_reward_model(self.folder, device, dtype, backend="native").eval()  # as the dry run checks it
         self.tokenizer = Tokenizer(self.folder)
         if not self.tokenizer.chat_template:
             raise CheckpointError(f"{self.folder}: the reward model's tokenizer has no chat template to render "

@@ -1,20 +1,7 @@
-"""Checks made when the plan is built (`snakemake -n` included), before any job waits in a queue.
+"""Checks of what a config names, made when the plan is built (`snakemake -n` included), before any job waits in a
+queue: the files, folders, models and code it points to. The rules between its keys are `posttrain.rules`
+(`config_problems`, which the schema's validation calls beside `path_problems` here).
 
-A stage enforces its rules when it starts; on a cluster that is after the queue. So the rules a
-config can break are checked here, for every variant, with the config key to change:
-
-- processes and batch sizes: data-parallel processes (nodes x GPUs or CPU processes, over
-  `parallel.tp x cp`) divide each batch after accumulation; `parallel.tp x cp x dp_replicate`
-  divides them; `parallel.ep` divides the FSDP shards and does not combine with `cp`;
-- optimizer-in-backward: no accumulation, no clipping (`max_grad_norm` 0 or null), GRPO's step
-  one micro-batch;
-- LoRA/QLoRA adapters without tensor parallelism; `save: adapter` with adapters and a base held in a folder or the
-  hub (not a preset's random weights);
-- PPO (`grpo.advantage: gae`): data parallelism only (no tp, cp or ep), a token-level ratio, a reward model to start the critic
-  from when `grpo.critic_init` asks; KTO (`dpo.loss: kto`) on the offline unpaired split;
-- generator nodes (`resources.generator_nodes`) for async GRPO only, leaving the trainer a node;
-- the stage graph (`pipeline`): `distill.teacher_stage` listed before distill, `export.stage` listed, a
-  first stage other than SFT started from a model (a folder or hub id), not a preset's random weights;
 - data: a reasoning-gym task names a generator that exists, with a config it accepts; every row of a local data
   source (up to 64 MiB of files) reads as its kind, or the first bad one is named (file, row, field);
 - model and data sources: a local folder or file the config names exists; a hub model id, with
@@ -29,7 +16,7 @@ config can break are checked here, for every variant, with the config key to cha
   tasks only, so a `prompts` or `eval` source without a `task` column is refused with it;
 - a pretrained reward model (`reward_model.source`: a folder or a cached hub id): its config.json declares a
   sequence classifier with one label, of an architecture the model code builds, and its tokenizer has a chat
-  template; PPO's critic starts only from the reward_model stage's model (it reads the policy's tokens).
+  template.
 """
 
 from __future__ import annotations
@@ -47,18 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from posttrain.data import reasoning_gym
-from posttrain.rules import (
-    adapter_problems,
-    batch_split_problem,
-    environment_verifier_problem,
-    lm_eval_problem,
-    optimizer_in_backward_problems,
-    parallel_degrees_problem,
-    parallel_layout_problem,
-    ppo_problems,
-    prompt_split_problem,
-    selection_problems,
-)
+from posttrain.rules import environment_verifier_problem, lm_eval_problem
 from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
 from posttrain.workflow.did_you_mean import suggest
 from posttrain.workflow.inputs import code_search_path
@@ -79,137 +55,8 @@ def reward_specs_module() -> ModuleType:
     return module
 
 
-TRAINING_SECTIONS = ("sft", "dpo", "grpo", "distill")
-ADAPTER_SECTIONS = (*TRAINING_SECTIONS, "reward_model")  # the stages with `method`, `lora` and `save`
 LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 DRY_RUN_SOURCE_BYTES = 64 << 20  # local sources up to this size are read in the dry run; bigger ones by data prep
-
-
-def _processes(resources: Mapping[str, Any]) -> int:
-    """Training processes: per node, times the nodes left after the generator nodes."""
-    return (int(resources["nodes"]) - int(resources["generator_nodes"])) * int(resources["gpus"] or resources["procs"])
-
-
-def generator_node_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """`resources.generator_nodes` is async GRPO's, and leaves the trainer at least one node."""
-    problems = []
-    for section, values in cfg.items():
-        nodes = values.get("resources", {}).get("generator_nodes", 0) if isinstance(values, Mapping) else 0
-        if not nodes:
-            continue
-        if section != "grpo" or cfg["grpo"]["mode"] != "async":
-            problems.append((f"{section}.resources.generator_nodes", f"{nodes}: only async GRPO (grpo.mode: async) "
-                             "runs generators on nodes of their own"))
-        elif nodes >= values["resources"]["nodes"]:
-            problems.append((f"{section}.resources.generator_nodes", f"{nodes} of {values['resources']['nodes']} "
-                             "nodes leaves none to train on: raise grpo.resources.nodes"))
-    return problems
-
-
-def stage_rule_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(config key, what is wrong) for each rule a training stage would refuse at start (`posttrain.rules`, which
-    the stages call too, with the processes they were started as)."""
-    problems: list[tuple[str, str]] = []
-    tp, replicate = int(cfg["parallel"]["tp"]), int(cfg["parallel"]["dp_replicate"])
-    cp, ep = int(cfg["parallel"]["cp"]), int(cfg["parallel"]["ep"])
-    degrees = parallel_degrees_problem(cp, ep)
-    if degrees:
-        problems.append(("parallel.ep", degrees))
-    in_backward = bool(cfg["memory"]["optimizer_in_backward"])
-    problems += generator_node_problems(cfg)
-    if cfg["dpo"]["loss"] == "kto" and cfg["dpo"]["pairs"] != "offline":
-        problems.append(("dpo.pairs", f"{cfg['dpo']['pairs']}: KTO (dpo.loss: kto) trains on the prepared unpaired "
-                         "split; set dpo.pairs: offline"))
-    running = [s for s in ADAPTER_SECTIONS if _runs(cfg, s)]  # a stage the pipeline leaves out refuses nothing
-    for stage in running:
-        # the reward model trains as one process: no tensor parallelism
-        problems += adapter_problems(stage, cfg[stage]["method"], cfg[stage]["save"],
-                                     1 if stage == "reward_model" else tp, _starts_from_preset(cfg, stage))
-        problems += selection_problems(stage, cfg[stage])
-    for stage in (s for s in TRAINING_SECTIONS if s in running):
-        section = cfg[stage]
-        world = _processes(section["resources"])
-        if world < 1 or degrees:
-            continue  # said by generator_node_problems, or above
-        layout = parallel_layout_problem(world, tp, cp, replicate, ep)
-        if layout:
-            problems.append((f"{stage}.resources", f"{world} processes: {layout}"))
-            continue
-        dp = world // (tp * cp)
-        if stage == "grpo" and section["advantage"] == "gae":
-            problems += ppo_problems(cfg["parallel"], section["ratio"]) + critic_init_problems(cfg)
-        rows = micro = None
-        if stage == "grpo":
-            prompts, group = section["prompts_per_step"], section["group_size"]
-            split = prompt_split_problem(prompts, dp)
-            if split:
-                problems.append(("grpo.prompts_per_step", split))
-            else:
-                rows, micro = prompts // dp * group, section["micro_batch_size"]
-        else:
-            split = batch_split_problem(stage, section["batch_size"], section["grad_accum"], dp)
-            if split:
-                problems.append((f"{stage}.batch_size", split))
-        if in_backward:
-            problems += [(f"{stage}.{setting}", why) for setting, why in optimizer_in_backward_problems(
-                section.get("grad_accum", 1), section["max_grad_norm"], rows, micro)]
-    rm = cfg["reward_model"]
-    if rm["source"] == "train" and in_backward:
-        problems += [(f"reward_model.{setting}", why) for setting, why in optimizer_in_backward_problems(
-            max_grad_norm=rm["max_grad_norm"])]
-    if cfg["grpo"]["rm_weight"] and rm["source"] is None:
-        problems.append(("grpo.rm_weight", f"{cfg['grpo']['rm_weight']}: there is no reward model to weigh; set "
-                         "reward_model.source (train, or a pretrained folder or hub id) or grpo.rm_weight: 0"))
-    return problems
-
-
-def _runs(cfg: Mapping[str, Any], stage: str) -> bool:
-    """Whether the config runs `stage`: a training stage its pipeline names, the reward model when it trains one."""
-    if stage == "reward_model":
-        return cfg["reward_model"]["source"] == "train"
-    return stage in cfg["pipeline"]
-
-
-def _starts_from_preset(cfg: Mapping[str, Any], stage: str) -> bool:
-    """Whether `stage` starts from a preset's random weights: distillation's student, the first stage of `pipeline`
-    (the reward model: GRPO's start) from `model.policy`."""
-    if stage == "distill":
-        return cfg["model"]["student"] in preset_names()
-    pipeline = list(cfg["pipeline"])
-    at = "grpo" if stage == "reward_model" else stage
-    return (at not in pipeline or pipeline.index(at) == 0) and cfg["model"]["policy"] in preset_names()
-
-
-def critic_init_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """PPO's critic started from the reward model needs one the plan trains (the policy's tokenizer)."""
-    grpo, problems = cfg["grpo"], []
-    source = cfg["reward_model"]["source"]
-    if grpo["critic_init"] == "reward_model" and source is None:
-        problems.append(("grpo.critic_init", "reward_model: there is no reward model; set reward_model.source: train "
-                         "or critic_init: policy"))
-    elif grpo["critic_init"] == "reward_model" and source != "train":
-        problems.append(("grpo.critic_init", f"reward_model: the critic values the policy's tokens, and the pretrained "
-                         f"reward model {source} has a tokenizer of its own; set critic_init: policy, or "
-                         "reward_model.source: train"))
-    return problems
-
-
-def pipeline_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """What the plan cannot build from `pipeline`: a teacher or export stage it does not list, or a stage that
-    needs trained weights started from a preset."""
-    pipeline, problems = list(cfg["pipeline"]), []
-    teacher, exported = cfg["distill"]["teacher_stage"], cfg["export"]["stage"]
-    if "distill" in pipeline and teacher and teacher not in pipeline[: pipeline.index("distill")]:
-        problems.append(("distill.teacher_stage", f"{teacher} is not listed before distill in pipeline {pipeline}; "
-                         "list it there or set null (the stage before distill)"))
-    if exported and exported not in pipeline:
-        problems.append(("export.stage", f"{exported} is not in pipeline {pipeline}; name one of them or null (the last)"))
-    first = pipeline[0]
-    from_base = first != "sft" and not (first == "distill" and teacher)
-    if from_base and cfg["model"]["policy"] in preset_names():
-        problems.append(("pipeline", f"{pipeline} starts {first} from model.policy {cfg['model']['policy']!r}, a preset "
-                         "(random weights); set model.policy to a model folder or hub id, or put sft first"))
-    return problems
 
 
 def _offline() -> bool:

@@ -20,8 +20,10 @@ from typing import Any
 import jsonschema
 import yaml
 
+from posttrain.rules import config_problems
 from posttrain.workflow.did_you_mean import suggest
-from posttrain.workflow.preflight import path_problems, pipeline_problems, stage_rule_problems
+from posttrain.workflow.model_names import grpo_start_family, preset_names
+from posttrain.workflow.preflight import path_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = REPO_ROOT / "workflow" / "schemas"
@@ -237,30 +239,13 @@ def _normalize_numbers(value: Any, node: Mapping[str, Any], root: Mapping[str, A
     return value
 
 
-RESOURCE_SECTIONS = ("data", "sft", "dpo", "reward", "grpo", "distill", "eval", "export")
-
-
 def _semantic_problems(cfg: Mapping[str, Any]) -> list[Problem]:
-    """Rules that span several keys, checked once the schema holds (`posttrain.workflow.preflight` among them)."""
-    problems = []
-    if not cfg["data"]["tasks"] and not cfg["data"]["sources"]:
-        problems.append(Problem("data.tasks", "is empty and so is data.sources: there is no data"))
-    for section in RESOURCE_SECTIONS:
-        res = cfg[section]["resources"]
-        if res["gpus"] > 0 and res["procs"] > 1:
-            problems.append(Problem(
-                f"{section}.resources.procs",
-                f"{res['procs']} CPU processes with gpus: {res['gpus']}; procs is for CPU runs (gpus: 0), "
-                "on GPUs one process runs per GPU",
-            ))
-    low, high = cfg["reward"]["pass_rate_band"]
-    if low >= high:
-        problems.append(Problem("reward.pass_rate_band", f"[{low}, {high}]: low must be below high"))
-    too_big = [k for k in cfg["eval"]["pass_k"] if k > cfg["eval"]["samples"]]
-    if too_big:
-        problems.append(Problem("eval.pass_k", f"{too_big} exceed eval.samples = {cfg['eval']['samples']}"))
-    # What the stages would refuse when they start, and sources that do not exist: before any job is queued.
-    return problems + [Problem(key, message) for key, message in stage_rule_problems(cfg) + pipeline_problems(cfg) + path_problems(cfg)]
+    """Once the schema holds: the rules between keys (`posttrain.rules`, what the stages would refuse when they
+    start among them) and what the config names that does not exist or does not load (`preflight`), before any
+    job is queued."""
+    grpo_start = grpo_start_family(cfg) if cfg["reward_model"]["source"] == "train" else None
+    return [Problem(key, message)
+            for key, message in config_problems(cfg, preset_names(), grpo_start) + path_problems(cfg)]
 
 
 def _schema_problems(cfg: dict[str, Any], validator: Any) -> list[Problem]:

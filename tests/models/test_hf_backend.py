@@ -175,16 +175,17 @@ def test_two_process_fsdp2_sft_on_it_matches_one_process(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in b.items())
 
 
-def gpt_neox_policy(tmp_path):
-    """(data folder, GPT-NeoX folder with the data's tokenizer): prepared task data and a random model sized to it."""
+def gpt_neox_policy(tmp_path, family: str = "gpt_neox", **data_cfg):
+    """(data folder, GPT-NeoX (or `family`) folder with the data's tokenizer): prepared task data (RANDOM_DATA, with
+    `data_cfg`) and a random model sized to it."""
     from grpo_testing import RANDOM_DATA
     from sft_testing import prepare_data
     from posttrain.tokenizer import Tokenizer
 
-    data = prepare_data(tmp_path, RANDOM_DATA)
+    data = prepare_data(tmp_path, {**RANDOM_DATA, **data_cfg})
     tok = Tokenizer(data / "tokenizer")
     folder = tmp_path / "policy"
-    save_family("gpt_neox", folder, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    save_family(family, folder, vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     tok.save(folder)
     return data, folder
 
@@ -215,7 +216,8 @@ def test_grpo_trains_on_it_with_the_native_sampler_decoding_through_transformers
 
 
 def test_what_it_cannot_run_stops_before_any_work_naming_the_key(tmp_path, monkeypatch, capsys):
-    """A value model (grpo.advantage: gae), a trained reward model and the int8 export copy are native only."""
+    """A value model (grpo.advantage: gae) and the int8 export copy are native only; a reward model needs a family
+    transformers has a sequence classifier for (Granite has none)."""
     import subprocess
     import sys
 
@@ -228,11 +230,17 @@ def test_what_it_cannot_run_stops_before_any_work_naming_the_key(tmp_path, monke
     proc = run_grpo(grpo_config("gae", data=RANDOM_DATA, advantage="gae", steps=1), data, folder, tmp_path / "gae",
                     check=False)
     assert proc.returncode == 1 and "grpo.advantage: gae needs a critic" in proc.stderr, proc.stderr[-2000:]
+    granite = tmp_path / "granite"
+    save_family("granite", granite, vocab_size=json.loads((folder / "config.json").read_text())["vocab_size"])
     cfg = resolved_config("reward_model", "rm", reward_model={"source": "train"})
     rm = subprocess.run([sys.executable, str(ROOT / "stages" / "reward_model.py"), "--config",
-                         str(write_config(tmp_path / "rm.json", cfg)), "--data", str(data), "--model", str(folder),
+                         str(write_config(tmp_path / "rm.json", cfg)), "--data", str(data), "--model", str(granite),
                          "--out", str(tmp_path / "rm")], capture_output=True, text=True, cwd=ROOT, env=env_for())
-    assert rm.returncode == 1 and "reward_model.source: train builds the reward model on the native code only" in rm.stderr
+    assert rm.returncode == 1, rm.stderr[-2000:]
+    assert rm.stderr.splitlines()[-1] == (
+        "reward_model: error: reward_model.source: train: the policy's model_type 'granite' runs on the transformers "
+        "backend (model.backend), and transformers has no sequence classifier (*ForSequenceClassification) for it to "
+        "build the reward model on; name a pretrained reward model (a folder or hub id), or set it to null"), rm.stderr
     write_provenance(folder, {"key": "neox"}, "sft", 0.0, {})
     cfg = {"stage": "export", "key": "int8", "upstream": {"sft": "neox"}, "seed": 0, "model": {"backend": "auto"},
            "export": {"stage": "sft", "dtype": "float32", "int8": True, "push_to_hub": None, "dry_run": True}}
@@ -241,6 +249,51 @@ def test_what_it_cannot_run_stops_before_any_work_naming_the_key(tmp_path, monke
                              "--out", tmp_path / "export"], monkeypatch)
     assert "export.int8: the int8 copy quantizes the native model's layers" in capsys.readouterr().err
     assert not (tmp_path / "gae").exists() and not (tmp_path / "rm").exists() and not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_reward_model_stage_trains_its_sequence_classifier_which_transformers_scores_as_we_do(method, tmp_path):
+    """The reward_model stage from a GPT-NeoX folder: transformers' GPTNeoXForSequenceClassification on the policy's
+    decoder, trained (in full, or `all-linear` adapters with the score head in full), written as that class's folder,
+    which transformers loads with every weight in place and scores as the stage's model does."""
+    from lora_testing import assert_only_adapters_trained
+    from sft_testing import metrics, resolved_config, run_stage_script, train_losses, weights
+    from posttrain.rewards import HFRewardModel, load_reward_model, pad_right
+
+    data, folder = gpt_neox_policy(tmp_path, n_preference=40)
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": "all-linear"}
+    section = {"source": "train", "steps": 8, "batch_size": 8, "held_out": 0.2, "lr": 1e-2, "warmup_steps": 0,
+               "eval_every": 8, "checkpoint_every": 1000, "log_every": 1, "method": method, "lora": lora}
+    cfg = resolved_config("reward_model", f"rm-{method}", reward_model=section, model={"policy": str(folder)})
+    out = run_stage_script("reward_model", cfg, data, tmp_path / "rm")
+    losses = train_losses(metrics(out))
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    summary = json.loads((out / "posttrain.json").read_text())["metrics"]
+    assert summary["model_backend"] == "transformers", summary
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPTNeoXForSequenceClassification"]
+
+    hf, info = transformers.AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ours = load_reward_model(out, backend="auto").eval()
+    assert isinstance(ours, HFRewardModel)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 9)]
+    tokens, lengths = pad_right(rows, pad_id=0)
+    with torch.no_grad():
+        theirs = hf.eval()(tokens, attention_mask=(tokens != 0).long()).logits.squeeze(-1)
+        assert (ours(tokens, lengths) - theirs).abs().max().item() <= 1e-4
+
+    torch.manual_seed(cfg["seed"])  # the stage's seed draws the new head
+    start = load_reward_model(folder, backend="auto").state_dict()
+    written = weights(out)
+    assert set(written) == set(start) and not torch.equal(written["score.weight"], start["score.weight"])
+    if method == "full":
+        assert any(not torch.equal(written[k], v) for k, v in start.items() if k.startswith("gpt_neox.layers"))
+    else:
+        adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert adapter["task_type"] == "SEQ_CLS" and adapter["modules_to_save"] == ["score"]
+        # query_key_value, dense, dense_h_to_4h, dense_4h_to_h in each of the two layers; no adapter on the score head
+        assert assert_only_adapters_trained(start, out, out / "adapter", lora["alpha"] / lora["rank"], head="score") == 8
 
 
 def test_lora_sft_on_it_trains_only_adapters_that_load_with_peft(tmp_path):

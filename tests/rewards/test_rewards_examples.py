@@ -84,8 +84,9 @@ def local_config(name: str, stand_ins: dict[str, Any], results: Path) -> dict[st
 
 
 def run_job(job, argv: list, monkeypatch) -> Path:
-    """The planned job's stage in this process, with the resolved config its plan wrote."""
+    """The planned job's stage in this process, with the resolved config and run settings its plan writes."""
     config = write_config(Path(job.config_path), job.resolved)
+    write_config(Path(job.run_path), job.run)
     out = Path(job.path)
     run_stage(job.stage, ["--config", config, *argv, "--out", out], monkeypatch)
     return out

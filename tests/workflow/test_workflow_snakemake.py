@@ -293,3 +293,27 @@ def test_a_dry_run_names_an_output_changed_after_its_stage_wrote_it(wf):
     where = sft.relative_to(wf.root)  # the results folder, as the config names it
     assert len(lines) == 1 and lines[0].startswith(f"sft: {where / 'posttrain.json'}: changed after it was written"), lines
     assert lines[0].endswith(f"delete {where} to rerun the stage"), lines
+
+
+def test_a_trained_reward_model_on_a_family_transformers_cannot_classify_stops_the_dry_run_in_one_line(wf):
+    """`reward_model.source: train` builds the reward model on GRPO's starting model: on the transformers backend that
+    is transformers' own sequence classifier of the family. Granite has none: `snakemake -n` refuses the config in one
+    line naming the key and the family, before any job; Mistral (a native port) is planned with its reward model."""
+    reads = declared_reads(REPO / "stages" / "reward_model.py")
+    (wf.root / "stages" / "reward_model.py").write_text(FAKE_STAGE.replace("READS = ()", f"READS = {reads!r}"))
+    for family in ("granite", "mistral"):
+        folder = wf.root / family
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": family, "vocab_size": 512}))
+        (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    settings = "pipeline=[sft, grpo]; reward_model.source=train"
+    refused = wf.snakemake("-n", "--config", f"set=model.policy=granite; {settings}", check=False)
+    lines = [line for line in refused.output.splitlines() if "reward_model.source" in line]
+    assert refused.returncode != 0 and len(lines) == 1, refused.output[-3000:]
+    assert lines[0].startswith("config (") and lines[0].endswith(
+        "reward_model.source: train: the policy's model_type 'granite' runs on the transformers backend (model.backend), "
+        "and transformers has no sequence classifier (*ForSequenceClassification) for it to build the reward model on; "
+        "name a pretrained reward model (a folder or hub id), or set it to null"), lines
+    assert "Building DAG" not in refused.output and not (wf.root / "results").exists()
+    counts = wf.plan("--config", f"set=model.policy=mistral; {settings}")
+    assert counts["reward_model"] == 1 and counts["grpo"] == 1 and counts["sft"] == 1, counts
