@@ -41,8 +41,7 @@ from posttrain.models import is_preset
 from posttrain.stage_config import load_stage_config, parse_inputs
 from posttrain.tokenizer import Tokenizer, read_chat_template, set_chat_template, train_bpe_tokenizer
 from posttrain.training.faults import run_main
-from posttrain.utils.io import atomic_dir
-from posttrain.utils.provenance import write_provenance
+from posttrain.utils.provenance import write_stage_output
 
 STAGE = "prepare_data"
 READS = ("seed", "model.policy", "model.tokenizer", "model.chat_template", "data")
@@ -108,16 +107,16 @@ def main() -> None:
     rows, bad = collect_rows(data, seed)
     rows["sft"], sft_eval = hold_out(rows["sft"], min(data["n_eval"], len(rows["sft"]) // 10), seed)
 
-    with atomic_dir(args.out) as out:
+    def write(out: Path) -> dict[str, Any]:
         tok = build_tokenizer(cfg, rows, out / "tokenizer")
         unrendered = dict.fromkeys(KINDS, 0)
         for kind in KINDS:
             rows[kind], n_bad, unrendered[kind] = check_rendering(kind, rows[kind], tok, data["on_bad_row"] == "skip")
             bad[kind] += n_bad
-        sft_eval, n_bad, held_unrendered = check_rendering("sft", sft_eval, tok, data["on_bad_row"] == "skip")
+        held, n_bad, held_unrendered = check_rendering("sft", sft_eval, tok, data["on_bad_row"] == "skip")
         bad["sft"] += n_bad
         splits: dict[str, dict[str, Any]] = {}
-        for name, split_rows in (("sft", rows["sft"]), ("sft_eval", sft_eval)):
+        for name, split_rows in (("sft", rows["sft"]), ("sft_eval", held)):
             columns, splits[name] = sft_split(
                 split_rows, tok, max_len, data["loss_mask"], data["truncation"], data["packing"], desc=f"tokenize {name}"
             )
@@ -147,7 +146,9 @@ def main() -> None:
         (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
         summary = {f"{name}_rows": s["rows"] for name, s in splits.items()}
         summary["sft_packing_efficiency"] = splits["sft"]["packing_efficiency"]
-        write_provenance(out, cfg, STAGE, started, summary)
+        return summary
+
+    summary = write_stage_output(args.out, cfg, STAGE, started, write)
     print(json.dumps({"out": args.out, **summary}))
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 from posttrain.training.faults import run_main
 from posttrain.report.curves import objective_curves
@@ -35,8 +37,7 @@ from posttrain.report.inputs import read_report_config, stage_runs
 from posttrain.report.stage_times import stage_time_table
 from posttrain.report.summary import summary_rows, summary_table
 from posttrain.stage_config import parse_inputs
-from posttrain.utils.io import atomic_dir
-from posttrain.utils.provenance import write_provenance
+from posttrain.utils.provenance import write_stage_output
 
 STAGE = "report"
 READS = ("variants",)
@@ -53,7 +54,8 @@ def main() -> None:
     effects = effects_table(table)
     metrics = effect_metrics(table.columns)
     curves = objective_curves(stage_runs(cfg["variants"]))
-    with atomic_dir(args.out) as out:
+
+    def write(out: Path) -> dict[str, Any]:
         table.to_csv(out / "summary.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
         effects.to_csv(out / "effects.tsv", sep="\t", index=False, na_rep="", float_format="%.6g")
         stage_time_table(cfg["variants"]).to_csv(out / "stage_times.tsv", sep="\t", index=False, na_rep="")
@@ -61,7 +63,9 @@ def main() -> None:
         plot_eval_metrics(rows, metrics, out / "eval_metrics.png")
         plot_stage_effects(effects, metrics, out / "stage_effects.png")
         (out / "machine.json").write_text(json.dumps(machine_info(cfg["variants"]), indent=2) + "\n", encoding="utf-8")
-        write_provenance(out, cfg, STAGE, started, {"rows": len(rows), "variants": len(cfg["variants"])})
+        return {"rows": len(rows), "variants": len(cfg["variants"])}
+
+    write_stage_output(args.out, cfg, STAGE, started, write)
     print(json.dumps({"out": args.out, "rows": len(rows), "variants": len(cfg["variants"])}))
 
 

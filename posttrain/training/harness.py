@@ -50,9 +50,8 @@ from posttrain.training.checkpointer import Checkpointer, ResumePoint, remove_re
 from posttrain.training.selection import Selection
 from posttrain.training.signals import StopOnSignal
 from posttrain.training.setup import backend_of, build_model, seed_everything
-from posttrain.utils.io import atomic_dir
 from posttrain.utils.metrics import MetricsLogger, peak_memory_mb, progress_bar, reset_peak_memory, truncate_after
-from posttrain.utils.provenance import write_provenance
+from posttrain.utils.provenance import write_stage_output
 
 
 class Resumable(Protocol):
@@ -338,8 +337,7 @@ class StageRun:
         """The output of a stage that writes no model: `write` fills a temporary folder and returns the summary its
         provenance records; the folder takes the output's name only when complete (with its manifest), and the
         resume state goes."""
-        with atomic_dir(self.out) as out:
-            write_provenance(out, self.cfg, self.stage, self.started, dict(write(out)))
+        write_stage_output(self.out, self.cfg, self.stage, self.started, write)
         self.done()
 
     def done(self) -> None:

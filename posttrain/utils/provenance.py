@@ -8,12 +8,12 @@ import platform
 import subprocess
 import time
 from datetime import datetime, timezone
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from posttrain.stage_config import as_dict
-from posttrain.utils.io import PROVENANCE_FILE, read_json
+from posttrain.utils.io import PROVENANCE_FILE, atomic_dir, read_json
 
 
 def git_commit(repo: Path | None = None) -> str | None:
@@ -63,6 +63,16 @@ def write_provenance(out_dir: str | Path, cfg: Mapping[str, Any], stage: str, st
     path = Path(out_dir) / PROVENANCE_FILE
     path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     return record
+
+
+def write_stage_output(out: str | Path, cfg: Mapping[str, Any], stage: str, started: float,
+                       write: Callable[[Path], Mapping[str, Any]]) -> dict[str, Any]:
+    """A stage's output folder, complete or absent: `write` fills a temporary sibling and returns the summary that
+    `posttrain.json` records; the folder takes its name (with its manifest) only then. Returns the summary."""
+    with atomic_dir(out) as folder:
+        summary = dict(write(folder))
+        write_provenance(folder, cfg, stage, started, summary)
+    return summary
 
 
 def read_provenance(folder: str | Path) -> dict[str, Any]:
