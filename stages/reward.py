@@ -152,7 +152,8 @@ def main() -> None:
         tok, EpisodeSettings.from_config(cfg["environment"], os.getcwd()))
     pretrained = pretrained_source(cfg["reward_model"]["source"])
     score = RewardFunction(reward["verifiers"], args.reward_model, 1.0 if args.reward_model or pretrained else 0.0,
-                           tok.pad_id, pretrained, cfg["reward_model"]["normalize"], device=str(run.device))
+                           tok.pad_id, pretrained, cfg["reward_model"]["normalize"], device=str(run.device),
+                           model_backend=cfg["model"]["backend"])
 
     # 1./2. samples and their rewards (the reward model's normalized score weighs 1)
     params = SamplingParams(max_new_tokens=reward["max_new_tokens"], temperature=reward["temperature"],

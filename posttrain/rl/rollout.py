@@ -191,5 +191,5 @@ def build_worker(spec: WorkerSpec) -> RolloutWorker:
                             stop_token_ids=tokenizer.eos_ids)
     reward_fn = RewardFunction(spec.verifiers, spec.reward_model_dir, spec.rm_weight, tokenizer.pad_id,
                                pretrained=spec.pretrained_reward_model, normalize=spec.rm_normalize,
-                               workdir=spec.workdir, device=spec.device)
+                               workdir=spec.workdir, device=spec.device, model_backend=spec.model_backend)
     return RolloutWorker(Sampler(backend, tokenizer, spec.episodes), params, spec.group_size, reward_fn)

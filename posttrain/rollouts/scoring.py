@@ -40,12 +40,12 @@ class RewardFunction:
     accuracy), as in the evaluate stage. The reward model is the reward_model stage's folder
     (`reward_model_dir`, scored on the policy's token ids: it shares the policy's tokenizer) or a pretrained one
     (`pretrained`: a folder or hub id, scored on the conversation its own chat template renders); it is loaded
-    only when `rm_weight` is not 0.
+    only when `rm_weight` is not 0, on the code `model_backend` (`model.backend`) picks, as it was trained.
     """
 
     def __init__(self, verifier_specs: Sequence[Any], reward_model_dir: str | Path | None = None,
                  rm_weight: float = 0.0, pad_id: int = 0, pretrained: str | None = None, normalize: str = "group",
-                 workdir: str | None = None, device: str = "cpu"):
+                 workdir: str | None = None, device: str = "cpu", model_backend: str = "auto"):
         if not verifier_specs:
             raise ValueError("reward.verifiers is empty: scoring needs at least one verifier")
         self.rewards = Rewards(verifier_specs, workdir)
@@ -63,7 +63,7 @@ class RewardFunction:
                     "(set reward_model.source: train or a pretrained model, or grpo.rm_weight: 0)"
                 )
             else:
-                self.reward_model = load_reward_model(reward_model_dir, device).eval()
+                self.reward_model = load_reward_model(reward_model_dir, device, backend=model_backend).eval()
 
     def scores(self, samples: Sequence[Sample], examples: Sequence[Mapping[str, Any]], group_size: int = 1,
                prompt_index: Sequence[int] | None = None) -> tuple[list[float], list[bool], list[dict[str, float]]]:
