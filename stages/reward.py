@@ -145,11 +145,13 @@ def main() -> None:
     key = policy_key(start)
     timing: dict[str, float] = {}
 
+    episodes = EpisodeSettings.from_config(cfg["environment"], os.getcwd())
+    # vLLM's context: a prompt and its completion; an episode's opening is not bounded by data.max_seq_len (as GRPO)
+    max_model_len = None if episodes else cfg["data"]["max_seq_len"] + reward["max_new_tokens"]
     sampler = Sampler(lambda: build_backend(
         reward["backend"], start, model_backend=cfg["model"]["backend"], pad_id=tok.pad_id, decode=tok.decode,
-        device=run.device, seed=cfg["seed"], max_model_len=cfg["data"]["max_seq_len"] + reward["max_new_tokens"],
-        max_batch_size=GENERATION_BATCH, setting="reward.backend"),
-        tok, EpisodeSettings.from_config(cfg["environment"], os.getcwd()))
+        device=run.device, seed=cfg["seed"], max_model_len=max_model_len, max_batch_size=GENERATION_BATCH,
+        setting="reward.backend"), tok, episodes)
     pretrained = pretrained_source(cfg["reward_model"]["source"])
     score = RewardFunction(reward["verifiers"], args.reward_model, 1.0 if args.reward_model or pretrained else 0.0,
                            tok.pad_id, pretrained, cfg["reward_model"]["normalize"], device=str(run.device),
