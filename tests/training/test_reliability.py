@@ -458,14 +458,31 @@ def test_ray_is_imported_only_after_the_loopback_environment_is_set():
     assert body.index("LOCAL_RAY_ENV") < body.index("import ray")
 
 
-def test_every_stage_writes_its_output_atomically():
-    """Each stage script hands its --out to atomic_dir, or ends through the harness (`run.finish`, which
-    writes `run.out` with save_final_model and atomic_dir)."""
+def test_every_stage_writes_its_output_atomically(tmp_path):
+    """Each stage script hands its --out to atomic_dir, to `write_stage_output` (the harness's `run.write_output`
+    calls it), or ends through the harness (`run.finish`, which writes `run.out` with save_final_model and
+    atomic_dir); and `write_stage_output` leaves nothing under the output's name when its writer fails."""
+    from posttrain.utils.provenance import write_stage_output
+
     for script in sorted((ROOT / "stages").glob("*.py")):
         calls = [(ast.unparse(c.func), c) for c in _calls(ast.parse(script.read_text()))]
-        atomic = any(name == "atomic_dir" and c.args and ast.unparse(c.args[0]) in ("args.out", "run.out")
-                     for name, c in calls)
-        assert atomic or any(name == "run.finish" for name, _ in calls), f"{script.name}: no atomic write"
+        atomic = any(name in ("atomic_dir", "write_stage_output") and c.args
+                     and ast.unparse(c.args[0]) in ("args.out", "run.out") for name, c in calls)
+        assert atomic or any(name in ("run.finish", "run.write_output") for name, _ in calls), \
+            f"{script.name}: no atomic write"
+
+    def fails(folder: Path) -> dict[str, Any]:
+        (folder / "half.txt").write_text("half")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        write_stage_output(tmp_path / "out", {"key": "k"}, "evaluate", 0.0, fails)
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary folder left
+    summary = write_stage_output(tmp_path / "out", {"key": "k"}, "evaluate", 0.0,
+                                 lambda folder: (folder / "a.txt").write_text("a") and {"rows": 1})
+    assert summary == {"rows": 1} and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert json.loads((tmp_path / "out" / "posttrain.json").read_text())["metrics"] == {"rows": 1}
+    assert (tmp_path / "out" / "manifest.json").is_file() and (tmp_path / "out" / "a.txt").read_text() == "a"
 
 
 # --- Snakemake: one invocation per working directory ---
