@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,8 +23,10 @@ from safetensors.torch import save_file
 from posttrain.models import Transformer
 from posttrain.models.args import ModelConfigError, model_backend
 from posttrain.models.families import FAMILIES
-from posttrain.models.hf_backend import HFCausalLM, check_head_parity, transformers_config
+from posttrain.models.hf_backend import HFCausalLM, TransformersModel, check_head_parity, transformers_config
 from posttrain.models.lora import merge_peft_adapter
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -153,7 +155,7 @@ def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     """A full state dict of `model` under its checkpoint's names: a native model's are already; transformers renames
     some tensors on load, which `save_pretrained` writes back under their checkpoint names (GPT-NeoX's embed_out):
     a model on the transformers backend (`HFCausalLM`, the reward model's `HFRewardModel`) reverts them."""
-    return model.checkpoint_state(state) if getattr(model, "backend", "native") == "transformers" else state
+    return model.checkpoint_state(state) if isinstance(model, TransformersModel) else state
 
 
 def load_state_into(model: Transformer | HFCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -210,25 +212,38 @@ def load_hf_model(
 
 
 def load_transformers_model(folder: Path, config: dict[str, Any]) -> HFCausalLM:
-    """transformers' `from_pretrained` of a folder (safetensors only, float32, its own checkpoint renamings),
-    refusing missing, unexpected or misshapen tensors. An adapter-only folder: its base, loaded so, with the
-    adapter folded in under the loaded model's names (PEFT's, as the adapter was saved)."""
+    """transformers' causal LM of a folder (`pretrained_checked`). An adapter-only folder: its base, loaded so, with
+    the adapter folded in (`adapter_folded`)."""
     from transformers import AutoModelForCausalLM
 
     if is_adapter_folder(folder):
-        base = resolve_model_source(adapter_base(folder))
-        model = load_transformers_model(base, read_hf_config(base))
-        model.load_state_dict(with_adapter(folder, model.state_dict()))
-        return model
+        return adapter_folded(folder, load_transformers_model)
+    where = str(folder / "config.json")
+    model = HFCausalLM(pretrained_checked(AutoModelForCausalLM, folder, transformers_config(config, where)), config)
+    check_head_parity(model, where)
+    return model
+
+
+def pretrained_checked(auto_class: Any, folder: Path, config: Any,
+                       allowed: Callable[[Any, str, str], bool] = lambda model, kind, key: False) -> Any:
+    """`auto_class.from_pretrained` of a folder (safetensors only, float32, transformers' own checkpoint renamings),
+    refusing missing, unexpected or misshapen tensors but those `allowed(model, kind, key)` accepts."""
     weight_files(folder)  # refuses pickles with the reason
-    causal_lm, info = AutoModelForCausalLM.from_pretrained(
-        folder, config=transformers_config(config, str(folder / "config.json")), dtype=torch.float32,
-        use_safetensors=True, output_loading_info=True)
+    model, info = auto_class.from_pretrained(folder, config=config, dtype=torch.float32, use_safetensors=True,
+                                             output_loading_info=True)
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        if info.get(kind):
-            raise CheckpointError(f"{folder}: {kind.replace('_', ' ')} {sorted(map(str, info[kind]))[:3]}")
-    model = HFCausalLM(causal_lm, config)
-    check_head_parity(model, str(folder / "config.json"))
+        wrong = sorted(key for key in map(str, info.get(kind) or []) if not allowed(model, kind, key))
+        if wrong:
+            raise CheckpointError(f"{folder}: {kind.replace('_', ' ')} {wrong[:3]}")
+    return model
+
+
+def adapter_folded(folder: Path, load: Callable[[Path, dict[str, Any]], M]) -> M:
+    """An adapter-only folder's base, loaded by `load`, with the adapter folded in under the loaded model's names
+    (PEFT's, as the adapter was saved)."""
+    base = resolve_model_source(adapter_base(folder))
+    model = load(base, read_hf_config(base))
+    model.load_state_dict(with_adapter(folder, model.state_dict()))
     return model
 
 
@@ -305,13 +320,18 @@ def write_hf_config(hf_config: dict[str, Any], out_dir: str | os.PathLike, dtype
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
-def architecture(model_type: str) -> str:
-    """The CausalLM class name a config.json of `model_type` names: ours, else transformers' own."""
+def architecture(model_type: str, classifier: bool = False) -> str:
+    """The class name a config.json of `model_type` names, its causal LM's or (`classifier`) its sequence
+    classifier's (a reward model): a native family's (`posttrain.models.families`), else transformers' own."""
     if model_type in FAMILIES:
-        return FAMILIES[model_type].causal_lm
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        family = FAMILIES[model_type]
+        return family.sequence_classification if classifier else family.causal_lm
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
 
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if classifier else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[model_type]
 
 
 def folder_tool(name: str, write: Callable[[], Path], record: str) -> int:

@@ -41,20 +41,39 @@ def transformers_config(hf_config: dict[str, Any], source: str = "config.json") 
         raise ModelConfigError(f"{source}: transformers cannot build model_type {hf_config.get('model_type')!r}: {e}") from None
 
 
-class HFCausalLM(nn.Module):
-    """A transformers causal LM looking like `Transformer`: hidden states out, `lm_head` beside, HF names."""
+class TransformersModel(nn.Module):
+    """A model transformers builds, wrapped so that its state dict is its checkpoint: the wrapped model is not a
+    registered child, its children are, under their own names (the HF names)."""
 
     backend = "transformers"
 
-    def __init__(self, causal_lm: nn.Module, hf_config: dict[str, Any]):
+    def __init__(self, wrapped: nn.Module, hf_config: dict[str, Any]):
         super().__init__()
-        # Not registered: its children are, under their own names, so the state dict keeps the HF names.
-        object.__setattr__(self, "causal_lm", causal_lm)
-        for name, child in causal_lm.named_children():
+        object.__setattr__(self, "wrapped", wrapped)
+        for name, child in wrapped.named_children():
             self.add_module(name, child)
+        self.hf_config = dict(hf_config)
+
+    def train(self, mode: bool = True) -> TransformersModel:
+        """Also flip the wrapped model's own flag (its forward reads `self.training`)."""
+        self.wrapped.training = mode
+        return super().train(mode)
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full state dict under the names the model's checkpoints use (transformers renames some on load:
+        GPT-NeoX's embed_out is its lm_head), as `save_pretrained` writes them."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.wrapped, dict(state))
+
+
+class HFCausalLM(TransformersModel):
+    """A transformers causal LM looking like `Transformer`: hidden states out, `lm_head` beside, HF names."""
+
+    def __init__(self, causal_lm: nn.Module, hf_config: dict[str, Any]):
+        super().__init__(causal_lm, hf_config)
         if "lm_head" not in self._modules:  # GPT-NeoX's embed_out: the losses call it `lm_head`
             object.__setattr__(self, "lm_head", causal_lm.get_output_embeddings())
-        self.hf_config = dict(hf_config)
         config = causal_lm.config
         if getattr(config, "final_logit_softcapping", None):
             raise ModelConfigError(f"{config.model_type}: final_logit_softcapping is not linear in the hidden states, "
@@ -67,14 +86,13 @@ class HFCausalLM(nn.Module):
         self._told = False
 
     @property
+    def causal_lm(self) -> nn.Module:
+        return self.wrapped
+
+    @property
     def base(self) -> nn.Module:
         """The decoder without its head (not a registered child: its modules already are)."""
         return self.causal_lm.base_model
-
-    def train(self, mode: bool = True) -> HFCausalLM:
-        """Also flip the wrapped model's own flag (its forward reads `self.training`)."""
-        self.causal_lm.training = mode
-        return super().train(mode)
 
     def blocks(self) -> nn.ModuleList:
         """The decoder layers (what FSDP2 shards one by one and checkpointing wraps)."""
@@ -147,13 +165,6 @@ class HFCausalLM(nn.Module):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.causal_lm.config)
-
-    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A full state dict under the names the model's checkpoints use (transformers renames some on load:
-        GPT-NeoX's embed_out is its lm_head), as `save_pretrained` writes them."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return revert_weight_conversion(self.causal_lm, dict(state))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits; only for short sequences (generation, tests). Training uses chunked losses."""

@@ -34,18 +34,17 @@ from posttrain.model_files import (
     save_hf_model,
 )
 from posttrain.model_files.hf import (
-    adapter_base,
+    adapter_folded,
+    architecture,
     checkpoint_state,
     folder_backend,
     is_adapter_folder,
-    weight_files,
-    with_adapter,
+    pretrained_checked,
 )
 from posttrain.losses.chunked import IGNORE_INDEX
 from posttrain.models import ModelConfigError, Transformer
-from posttrain.models.families import FAMILIES
-from posttrain.models.hf_backend import PARITY_TOLERANCE, transformers_config
-from posttrain.rewards.specs import RM_NORMALIZE, sequence_classifier_problem
+from posttrain.models.hf_backend import PARITY_TOLERANCE, TransformersModel, transformers_config
+from posttrain.rewards.specs import RM_NORMALIZE, declares_classifier, sequence_classifier_problem
 from posttrain.rules import reward_model_backend_problem
 from posttrain.tokenizer import Tokenizer
 
@@ -85,7 +84,7 @@ def last_token(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
 
 
-class HFRewardModel(nn.Module):
+class HFRewardModel(TransformersModel):
     """The transformers backend's reward model: the family's own `*ForSequenceClassification` (one label), scoring
     as `RewardModel` does (`forward(input_ids, lengths)`: the `score` head at each row's last real token).
 
@@ -94,23 +93,16 @@ class HFRewardModel(nn.Module):
     stage write, what transformers loads, and `score` is the name LoRA's `modules_to_save` keeps trainable.
     """
 
-    backend = "transformers"
-
     def __init__(self, classifier: nn.Module, hf_config: dict[str, Any]):
-        super().__init__()
-        object.__setattr__(self, "classifier", classifier)  # not registered: its children are, under their own names
-        for name, child in classifier.named_children():
-            self.add_module(name, child)
+        super().__init__(classifier, hf_config)
         score = self._modules.get("score")
         if not isinstance(score, nn.Linear) or score.out_features != 1:
             raise ModelConfigError(f"{type(classifier).__name__} has no `score` linear head of one output, which the "
                                    "reward model reads")
-        self.hf_config = dict(hf_config)
 
-    def train(self, mode: bool = True) -> HFRewardModel:
-        """Also flip the wrapped classifier's own flag."""
-        self.classifier.training = mode
-        return super().train(mode)
+    @property
+    def classifier(self) -> nn.Module:
+        return self.wrapped
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Rewards [B] of right-padded sequences `input_ids` [B, S] with `lengths` [B] real tokens each; the padding is
@@ -120,22 +112,6 @@ class HFRewardModel(nn.Module):
         mask = (positions < lengths.to(input_ids.device)[:, None]).long()
         hidden = self.classifier.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
         return self.score(last_token(hidden, lengths)).squeeze(-1).float()
-
-    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A full state dict under the checkpoint's names (transformers renames some tensors on load), as
-        `save_pretrained` writes them."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return revert_weight_conversion(self.classifier, dict(state))
-
-
-def sequence_classifier(model_type: str) -> str:
-    """The `*ForSequenceClassification` class name of `model_type`: a native family's, else transformers' own."""
-    if model_type in FAMILIES:
-        return FAMILIES[model_type].sequence_classification
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
-    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
 
 
 def scored_lengths(labels: torch.Tensor) -> torch.Tensor:
@@ -214,11 +190,6 @@ def load_reward_model(
     return model.to(dtype)
 
 
-def declares_classifier(config: dict[str, Any]) -> bool:
-    """Whether a config.json is a sequence classifier's (a reward model folder) rather than a causal LM's."""
-    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
-
-
 def load_transformers_reward_model(folder: Path, config: dict[str, Any]) -> HFRewardModel:
     """transformers' sequence classifier of the folder's family (float32, on CPU), from a reward model folder or on a
     causal LM's decoder (its head dropped, `score` drawn from torch's global RNG as `RewardModel`'s is), refusing
@@ -229,27 +200,21 @@ def load_transformers_reward_model(folder: Path, config: dict[str, Any]) -> HFRe
     why = reward_model_backend_problem(str(config.get("model_type")), "transformers")
     if why:
         raise CheckpointError(f"{where}: reward_model.source: {why}")
-    if is_adapter_folder(folder):
-        base = resolve_model_source(adapter_base(folder))
-        model = load_transformers_reward_model(base, read_hf_config(base))
-        model.load_state_dict(with_adapter(folder, model.state_dict()))  # the adapter's `score` replaces the drawn one
-        return model
-    weight_files(folder)  # refuses pickles with the reason
+    if is_adapter_folder(folder):  # the adapter's `score` replaces the drawn one
+        return adapter_folded(folder, load_transformers_reward_model)
     is_reward_model = declares_classifier(config)
     if is_reward_model and int(config.get("num_labels", 1)) != 1:
         raise CheckpointError(f"{where}: num_labels is {config['num_labels']}; a reward model has 1")
     config = {k: v for k, v in config.items() if k not in CLASSIFIER_KEYS}
-    classifier, info = AutoModelForSequenceClassification.from_pretrained(
-        folder, config=transformers_config({**config, "num_labels": 1}, where), dtype=torch.float32,
-        use_safetensors=True, output_loading_info=True)
-    prefix = f"{classifier.base_model_prefix}."
-    allowed = {"missing_keys": set(), "unexpected_keys": set()} if is_reward_model else {
-        "missing_keys": {k for k in map(str, info["missing_keys"]) if k.startswith("score.")},  # the new head
-        "unexpected_keys": {k for k in map(str, info["unexpected_keys"]) if not k.startswith(prefix)}}  # the LM head
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        wrong = sorted(set(map(str, info.get(kind) or [])) - allowed.get(kind, set()))
-        if wrong:
-            raise CheckpointError(f"{folder}: {kind.replace('_', ' ')} {wrong[:3]}")
+
+    def new_head(classifier: nn.Module, kind: str, key: str) -> bool:
+        """On a causal LM's decoder: the score head is new, the LM head left out."""
+        return not is_reward_model and ((kind == "missing_keys" and key.startswith("score."))
+                                        or (kind == "unexpected_keys"
+                                            and not key.startswith(f"{classifier.base_model_prefix}.")))
+
+    classifier = pretrained_checked(AutoModelForSequenceClassification, folder,
+                                    transformers_config({**config, "num_labels": 1}, where), new_head)
     model = HFRewardModel(classifier, config)
     if not is_reward_model:
         with torch.no_grad():
@@ -289,7 +254,7 @@ def reward_model_config(model: RewardModel | HFRewardModel, pad_token_id: int) -
     and vLLM read to score at the rightmost non-pad token."""
     return {
         **model.hf_config,
-        "architectures": [sequence_classifier(model.hf_config["model_type"])],
+        "architectures": [architecture(model.hf_config["model_type"], classifier=True)],
         "num_labels": 1,
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},

@@ -155,12 +155,16 @@ def pretrained_source(source: str | None) -> str | None:
     return str(local.resolve()) if local.exists() else source
 
 
+def declares_classifier(config: Mapping[str, Any]) -> bool:
+    """Whether an HF config.json is a sequence classifier's (a reward model folder) rather than a causal LM's."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
 def sequence_classifier_problem(config: Mapping[str, Any], where: str) -> str | None:
     """Why an HF config is no reward model (None when it declares a `*ForSequenceClassification` with one label)."""
-    architectures = config.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return (f"{where}: architectures {list(architectures)} declare no sequence-classification head "
-                "(*ForSequenceClassification); a reward model scores with one")
+    if not declares_classifier(config):
+        return (f"{where}: architectures {list(config.get('architectures') or [])} declare no sequence-classification "
+                "head (*ForSequenceClassification); a reward model scores with one")
     # transformers' rule: num_labels, else the size of id2label, else its default of 2
     labels = int(config["num_labels"]) if "num_labels" in config else len(config.get("id2label") or {0: 0, 1: 1})
     if labels != 1:

@@ -26,6 +26,7 @@ from posttrain.model_files import save_hf_model
 from posttrain.model_files.hf import checkpoint_state, write_hf_config
 from posttrain.models.lora import merged_state_dict, save_peft_adapter
 from posttrain.parallel import barrier, gather_full_state_dict
+from posttrain.rewards.specs import declares_classifier
 from posttrain.tokenizer import Tokenizer
 from posttrain.utils.io import atomic_dir
 from posttrain.utils.provenance import write_provenance
@@ -58,8 +59,7 @@ def save_final_model(
     if is_main:
         lora = getattr(model, "lora_config", None) is not None
         dtype = DTYPES[cfg["model"]["dtype"]]
-        classifier = any(a.endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
-        task_type = "SEQ_CLS" if classifier else "CAUSAL_LM"
+        task_type = "SEQ_CLS" if declares_classifier(hf_config) else "CAUSAL_LM"
         with atomic_dir(out) as tmp:
             if lora and save == "adapter":
                 write_hf_config(hf_config, tmp, dtype=dtype)

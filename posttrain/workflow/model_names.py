@@ -64,19 +64,21 @@ def grpo_start_family(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
 
 
+def hub_file(repo_id: str, filename: str) -> Path | None:
+    """The cached copy of a hub repo's file, or None (never a download)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def _config_json(source: str) -> Any:
     """The parsed config.json of a local folder or a cached hub id (never a download); None where there is none."""
     folder = Path(source).expanduser()
-    if folder.is_dir():
-        path: Path | None = folder / "config.json"
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            found = try_to_load_from_cache(source, "config.json")
-        except ValueError:  # not a valid repo id
-            found = None
-        path = Path(found) if isinstance(found, str) else None
+    path = folder / "config.json" if folder.is_dir() else hub_file(source, "config.json")
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path else None
     except (OSError, ValueError):

@@ -38,7 +38,7 @@ from posttrain.rules import environment_verifier_problem, lm_eval_problem
 from posttrain.tokenizer import NAMED_TEMPLATES, folder_chat_template
 from posttrain.workflow.did_you_mean import suggest
 from posttrain.workflow.inputs import code_search_path
-from posttrain.workflow.model_names import backend_problem, preset_names
+from posttrain.workflow.model_names import backend_problem, hub_file, preset_names
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, on every stage's PYTHONPATH
 
@@ -63,17 +63,6 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
 
 
-def _hub_file(repo_id: str, filename: str) -> Path | None:
-    """The cached copy of a hub repo's file, or None (never a download)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        found = try_to_load_from_cache(repo_id, filename)
-    except ValueError:  # not a valid repo id
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
 def model_source_problem(source: str, model: bool = True, backend: str = "auto") -> str | None:
     """What is wrong with a model source (`model`; else a tokenizer's): a preset, a local folder, or a hub id.
 
@@ -92,11 +81,11 @@ def model_source_problem(source: str, model: bool = True, backend: str = "auto")
     owner, slash, _ = source.partition("/")
     if slash and Path(owner).is_dir():  # `models/x` beside a `models/` folder: a path, not a hub id
         return f"{source}: no such folder ({owner}/ is a folder here, so this names a path in it, not a hub id)"
-    config = _hub_file(source, "config.json")
-    if "/" not in source and config is None and _hub_file(source, "tokenizer.json") is None:
+    config = hub_file(source, "config.json")
+    if "/" not in source and config is None and hub_file(source, "tokenizer.json") is None:
         hint = suggest(source, preset_names()) or f" (presets: {', '.join(preset_names())})"
         return f"{source!r} is not a preset{hint}, a local folder or a hub id (owner/name)"
-    if _offline() and config is None and _hub_file(source, "tokenizer.json") is None:
+    if _offline() and config is None and hub_file(source, "tokenizer.json") is None:
         return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where there "
                 "is network (`huggingface-cli download`) or name a local folder")
     return _architecture_problem(source, config, backend) if model and config is not None else None
@@ -130,7 +119,7 @@ def chat_template_problem(cfg: Mapping[str, Any]) -> tuple[str, str] | None:
     path = Path(source).expanduser()
     folder = path if path.is_dir() else None
     if folder is None:
-        cached = _hub_file(source, "tokenizer_config.json")
+        cached = hub_file(source, "tokenizer_config.json")
         folder = cached.parent if cached is not None else None
     if folder is None or folder_chat_template(folder) is not None:
         return None
@@ -254,7 +243,7 @@ def reward_model_problem(source: str) -> str | None:
     elif source.startswith((".", "/", "~")) or source.count("/") != 1:
         return f"{source}: no such folder (a pretrained reward model is a folder or a hub id owner/name)"
     else:
-        cached = _hub_file(source, "config.json")
+        cached = hub_file(source, "config.json")
         if cached is None:
             if _offline():
                 return (f"{source}: HF_HUB_OFFLINE is set and this hub id is not in the local cache; download it where "
